@@ -1,0 +1,10 @@
+"""edgellm: a local, CPU-first LLM tool built around GGUF quantization.
+
+The core API lives in the submodules (store, hub, gguf_file, hardware,
+runtime, ...). This package root stays import-light on purpose: the CLI
+imports it on every start and `edgellm --help` must stay fast.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""CLI commands, one module per capability; imported lazily by edgellm.cli."""

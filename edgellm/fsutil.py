@@ -1,0 +1,186 @@
+"""Atomic file writes, temp-file hygiene, hashing and free-space checks.
+
+Every file edgellm produces (models, indexes, results, histories) is first
+written as `<target>.<pid>.partial` in the target's own folder and renamed
+over the target only when complete, so a killed job never leaves a
+half-written file under a real name. The pid in the temp name lets the next
+start tell a dead job's leftovers from a live job's work in progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import IO, Iterator, Optional
+
+from .errors import Cancelled, InsufficientResources
+from .progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
+
+log = logging.getLogger(__name__)
+
+PARTIAL_SUFFIX = ".partial"
+_PARTIAL_RE = re.compile(r"^(?P<stem>.+)\.(?P<pid>\d+)\.partial$")
+CHUNK = 1 << 20
+# Free space we leave on a disk after a job, so the system keeps working.
+DISK_MARGIN = 256 << 20
+
+
+def partial_path(target: Path) -> Path:
+    return target.with_name(f"{target.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_partials(folder: Path) -> list[Path]:
+    """Delete `*.<pid>.partial` files under `folder` whose writer is dead."""
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for p in folder.rglob(f"*{PARTIAL_SUFFIX}"):
+        m = _PARTIAL_RE.match(p.name)
+        if not m or _pid_alive(int(m.group("pid"))):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            removed.append(p)
+            log.info("removed leftover temp file %s", p)
+    return removed
+
+
+@contextlib.contextmanager
+def atomic_path(target: Path) -> Iterator[Path]:
+    """Yield a temp path beside `target`; rename it over `target` on success.
+
+    On any exception (Ctrl-C included) the temp file is removed and the
+    previous `target`, if any, is untouched.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(target)
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+@contextlib.contextmanager
+def atomic_open(target: Path, mode: str = "w", **kw) -> Iterator[IO]:
+    with atomic_path(target) as tmp:
+        with open(tmp, mode, **kw) as fh:
+            yield fh
+
+
+def atomic_write_text(target: Path, text: str) -> None:
+    with atomic_open(target, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def _fsync_file(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes the rename itself durable; not supported everywhere (Windows).
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def sha256_file(
+    path: Path,
+    *,
+    on_progress: ProgressCallback = no_progress,
+    cancel: Optional[CancelToken] = None,
+    task: str = "sha256",
+) -> str:
+    h = hashlib.sha256()
+    total = path.stat().st_size
+    done = 0
+    meter = RateMeter()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK * 4):
+            h.update(chunk)
+            done += len(chunk)
+            if cancel is not None:
+                cancel.check()
+            on_progress(Progress(task, done, total, "B", rate=meter.update(done)))
+    return h.hexdigest()
+
+
+def copy_with_sha256(
+    src: IO[bytes],
+    dst: IO[bytes],
+    *,
+    total: Optional[int] = None,
+    on_progress: ProgressCallback = no_progress,
+    cancel: Optional[CancelToken] = None,
+    task: str = "copy",
+) -> tuple[int, str]:
+    """Stream src to dst, hashing on the way; returns (bytes, sha256)."""
+    h = hashlib.sha256()
+    done = 0
+    meter = RateMeter()
+    while chunk := src.read(CHUNK * 4):
+        if cancel is not None and cancel.cancelled:
+            raise Cancelled(cancel.reason)
+        dst.write(chunk)
+        h.update(chunk)
+        done += len(chunk)
+        on_progress(Progress(task, done, total, "B", rate=meter.update(done)))
+    return done, h.hexdigest()
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the file system that holds `folder` (or its nearest parent)."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    override = os.environ.get("EDGELLM_FAKE_FREE_BYTES")
+    if override:
+        # Lets tests exercise the preflight without filling a real disk.
+        return int(override)
+    return shutil.disk_usage(probe).free
+
+
+def check_free_disk(folder: Path, needed: int, *, what: str) -> None:
+    free = free_bytes(folder)
+    if free < needed + DISK_MARGIN:
+        raise InsufficientResources(
+            f"not enough disk for {what}: need {human_size(needed + DISK_MARGIN)} "
+            f"(incl. {human_size(DISK_MARGIN)} margin) in {folder}, {human_size(free)} free"
+        )
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -1,0 +1,1 @@
+"""Quantization, conversion and quality measurement on top of the edgellm core."""

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's reference tools (llama-bench, llama-perplexity,
+# llama-quantize) from the very llama.cpp tree vendored in the pinned
+# llama-cpp-python sdist, with the same CPU flags as the Python bindings.
+# That makes them the fair baseline for every ratio edgellm publishes.
+#
+# Cached under $EDGELLM_CACHE/llama-tools/<version>-<flags key>/bin; prints
+# that bin folder on stdout. Idempotent: a finished build is reused.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/_cpu_flags.sh
+
+ARGS="$(edgellm_cmake_args "${EDGELLM_GPU:-}")"
+KEY="$(edgellm_flags_key "$ARGS")"
+OUT="$EDGELLM_CACHE/llama-tools/$LLAMA_CPP_PYTHON_VERSION-$KEY"
+TOOLS="llama-bench llama-perplexity llama-quantize"
+
+have_all() { for t in $TOOLS; do [ -x "$OUT/bin/$t" ] || return 1; done; }
+if have_all; then echo "$OUT/bin"; exit 0; fi
+
+say() { echo "[build_llama_tools] $*" >&2; }
+SDIST="$EDGELLM_CACHE/dl/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
+if [ ! -f "$SDIST" ]; then
+    say "fetching the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist (for its vendored llama.cpp)"
+    mkdir -p "$EDGELLM_CACHE/dl"
+    python3 -m pip download --no-deps --no-binary :all: --no-build-isolation -q \
+        "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$EDGELLM_CACHE/dl" >&2 || \
+    python3 -m pip download --no-deps --no-binary :all: -q \
+        "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$EDGELLM_CACHE/dl" >&2
+fi
+SRC="$EDGELLM_CACHE/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION"
+if [ ! -d "$SRC/vendor/llama.cpp" ]; then
+    mkdir -p "$EDGELLM_CACHE/src"
+    tar xzf "$SDIST" -C "$EDGELLM_CACHE/src"
+fi
+BUILD="$OUT/build.partial"
+rm -rf "$BUILD"
+say "configuring with: $ARGS"
+# LLAVA_BUILD is a llama-cpp-python option, meaningless here; drop it.
+cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
+    -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=OFF ${ARGS//-DLLAVA_BUILD=OFF/} >&2
+say "building $TOOLS ($(nproc) jobs; a few minutes)"
+cmake --build "$BUILD" --config Release -j "$(nproc)" --target $TOOLS >&2
+mkdir -p "$OUT/bin.partial"
+for t in $TOOLS; do cp "$BUILD/bin/$t" "$OUT/bin.partial/"; done
+rm -rf "$OUT/bin" && mv "$OUT/bin.partial" "$OUT/bin"
+rm -rf "$BUILD"
+echo "$OUT/bin"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Sets up (idempotent) and runs the test suite. Extra arguments go to pytest.
+#
+#   scripts/test.sh              the whole suite (~15-20 min on 2 cores)
+#   scripts/test.sh -k store     a slice
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+echo "[test] building llama.cpp's reference tools (cached after the first run)"
+EDGELLM_LLAMA_TOOLS="$(scripts/build_llama_tools.sh)"
+export EDGELLM_LLAMA_TOOLS
+echo "[test] running pytest"
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,1 @@
+"""The Textual app: a thin front end over the edgellm core API."""
