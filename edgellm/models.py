@@ -30,7 +30,7 @@ from .errors import (
     UsageError,
 )
 from .fsutil import atomic_path, check_free_disk, copy_with_sha256, sha256_file
-from .gguf_file import GGUFInfo, read_gguf, split_set
+from .gguf_file import GGUFInfo, check_tensor_data, read_gguf, split_set
 from .progress import CancelToken, ProgressCallback, no_progress
 from .store import ModelRecord, Store, copy_into_store, validate_name
 
@@ -138,6 +138,8 @@ def import_file(
     info = read_gguf(shards[0])
     for s in shards[1:]:
         read_gguf(s)
+    for s in shards:
+        check_tensor_data(s)
     name = validate_name(name or _default_import_name(path, info))
     if store.find(name):
         raise ModelExists(f"a model named '{name}' already exists (use --name to pick another)")

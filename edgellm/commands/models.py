@@ -141,11 +141,12 @@ def rm_cmd(names, as_json: bool) -> None:
 def inspect_cmd(ref: str, as_json: bool) -> None:
     """Architecture, parameters, context, level, bits/weight, tensor types of a model or file."""
     from ..fsutil import human_size
-    from ..gguf_file import human_params, read_gguf
+    from ..gguf_file import check_tensor_data, human_params, read_gguf
     from ..models import resolve
 
     r = resolve(ref)
     info = read_gguf(r.path)
+    check_tensor_data(r.path)  # NaN/Inf weights: a file llama.cpp would load and run as garbage
     if as_json:
         d = info.to_json()
         d["model"] = r.record.name if r.record else None
