@@ -247,3 +247,60 @@ def doctor(*, model_path: Optional[Path] = None, run_self_test: bool = True) -> 
         self_test=st,
         warnings=warnings,
     )
+
+
+KV_BYTES_PER_ELEM = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32}
+
+
+@dataclass
+class RamEstimate:
+    weights_bytes: int
+    kv_bytes: int
+    overhead_bytes: int
+    available_bytes: int
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.overhead_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_bytes <= self.available_bytes
+
+    def describe(self) -> str:
+        from .fsutil import human_size
+
+        return (
+            f"needs ~{human_size(self.needed_bytes)} (weights {human_size(self.weights_bytes)} + KV cache "
+            f"{human_size(self.kv_bytes)} + buffers {human_size(self.overhead_bytes)}), "
+            f"{human_size(self.available_bytes)} available"
+        )
+
+
+def available_ram() -> int:
+    override = os.environ.get("EDGELLM_FAKE_AVAILABLE_RAM")
+    if override:  # lets tests exercise the guard without a machine that is short of RAM
+        return int(override)
+    return memory().available_bytes
+
+
+def estimate_ram(weights_bytes: int, kv_bytes: int) -> RamEstimate:
+    # Compute buffers and the runtime itself: a floor for small models, ~5% for big ones.
+    overhead = max(64 << 20, weights_bytes // 20)
+    return RamEstimate(int(weights_bytes), int(kv_bytes), int(overhead), available_ram())
+
+
+def check_fits_ram(info, n_ctx: int, *, kv_type: str = "f16", force: bool = False) -> RamEstimate:
+    """Refuse a load whose weights + KV cache + buffers exceed available RAM, unless forced.
+
+    `info` is a GGUFInfo. mmap would let such a model start, then page
+    weights in and out of disk for every token: minutes per reply.
+    """
+    from .errors import InsufficientResources
+
+    est = estimate_ram(info.tensor_bytes, info.kv_cache_bytes(n_ctx, bytes_per_elem=KV_BYTES_PER_ELEM.get(kv_type, 2.0)))
+    if not est.fits:
+        if not force:
+            raise InsufficientResources(f"{info.path.name} at ctx {n_ctx} {est.describe()}; use a smaller level or --ctx, or --force")
+        log.warning("%s %s; loading anyway (--force)", info.path.name, est.describe())
+    return est
