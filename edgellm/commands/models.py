@@ -86,16 +86,55 @@ def pull_cmd(ref, level, filename, offline, force, wheel, name, revision, as_jso
     """
     from .. import models
 
+    if level and "/" not in ref and ":" not in ref:
+        ref, level = f"{ref}:{level.lower()}", None  # a catalog name: --level is the same as NAME:LEVEL
+    preflight = []
     hub_opts = {k: v for k, v in {"level": level, "filename": filename, "force": force, "name": name, "revision": revision}.items() if v}
     bar = progress_bar(not no_progress and not as_json)
+
+    def on_preflight(pf) -> None:
+        preflight.append(pf)
+        if not as_json:
+            click.echo(f"preflight: {pf.summary()}", err=True)
+
     with cancellable() as token:
-        rec = models.pull(ref, wheel=wheel, offline=offline, on_progress=bar, cancel=token, **hub_opts)
-    if hasattr(bar, "close"):
-        bar.close()
+        try:
+            rec = models.pull(ref, wheel=wheel, offline=offline, on_progress=bar, cancel=token, on_preflight=on_preflight, **hub_opts)
+        finally:
+            if hasattr(bar, "close"):
+                bar.close()
     if as_json:
-        emit_json(rec.to_json())
+        emit_json({**rec.to_json(), "preflight": preflight[0].to_json() if preflight else None})
     else:
         click.echo(f"{rec.name}: {rec.path} ({rec.level}, sha256 {rec.sha256[:12]}...)")
+
+
+@click.command("export")
+@click.argument("names", nargs=-1, required=True)
+@click.option("--to", "dest", required=True, type=click.Path(path_type=Path), help="New folder to write the bundle to.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the manifest).")
+def export_cmd(names, dest: Path, as_json: bool) -> None:
+    """Write models and a manifest (sha256, sizes, lineage) to a folder, for an air gap.
+
+    \b
+    Examples:
+      edgellm export smollm2-135m-instruct-q4_1 --to /media/usb/models
+      edgellm import /media/usb/models      # on the other machine
+    """
+    import json as _json
+
+    from .. import bundle
+
+    with cancellable() as token:
+        folder = bundle.export_bundle(list(names), dest, on_progress=progress_bar(not as_json), cancel=token)
+    manifest = _json.loads((folder / bundle.MANIFEST).read_text(encoding="utf-8"))
+    if as_json:
+        emit_json({"path": str(folder), **manifest})
+    else:
+        from ..fsutil import human_size
+
+        size = sum(m["size_bytes"] for m in manifest["models"])
+        click.echo(f"exported {len(manifest['models'])} model(s), {human_size(size)}, to {folder}")
 
 
 @click.command("import")
