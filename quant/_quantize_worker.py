@@ -1,0 +1,144 @@
+"""The child process that runs one `llama_model_quantize` call.
+
+`llama_model_quantize` is a single blocking C call: it cannot be interrupted
+from Python, and llama.cpp aborts the whole process on some malformed
+inputs. Running it here lets the parent (quant/quantize.py) kill it on
+Ctrl-C/SIGTERM, survive an abort, and rename the temp output only when this
+process reports success.
+
+Protocol: argv[1] is the parent's pid. The parent starts the worker early
+(its start-up overlaps the parent's validation) and then sends jobs on stdin,
+one JSON object per line: {input, output, ftype, nthread, allow_requantize}.
+For each, on a private copy of stdout, the child writes one JSON object per
+line: {"log": text, "level": n} for every complete llama.cpp log line
+(captured with `llama_log_set`), then {"done": rc, "seconds": s}. It exits
+when stdin closes. Anything else printed to fd 1 goes to stderr, so it cannot
+corrupt the protocol.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(ppid: int) -> None:
+    """If the parent is killed (kill -9), stop at once instead of finishing a
+    file nobody will rename."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != ppid:
+        os._exit(3)
+
+    def watch() -> None:  # for systems without PDEATHSIG
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != ppid:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _bindings():
+    """llama-cpp-python's ctypes bindings (`llama_cpp.llama_cpp`).
+
+    Importing the `llama_cpp` package also imports its high-level API (numpy,
+    jinja2, the chat formats): ~0.3 s this process does not need and that
+    would count against every quantization. So the package module is
+    registered without running its __init__, and only the bindings module
+    (the same functions `llama_cpp.llama_model_quantize` re-exports) loads.
+    """
+    import importlib.util
+    import types
+
+    if "llama_cpp" not in sys.modules:
+        spec = importlib.util.find_spec("llama_cpp")
+        if spec is not None and spec.submodule_search_locations:
+            pkg = types.ModuleType("llama_cpp")
+            pkg.__path__ = list(spec.submodule_search_locations)
+            pkg.__spec__ = spec
+            pkg.__file__ = spec.origin
+            sys.modules["llama_cpp"] = pkg
+            try:
+                import llama_cpp.llama_cpp as bindings
+
+                return bindings
+            except Exception:
+                del sys.modules["llama_cpp"]
+    import llama_cpp
+
+    return llama_cpp
+
+
+def main() -> int:
+    _die_with_parent(int(sys.argv[1]))
+    # The parent decides about Ctrl-C; a file size limit must become a write
+    # error llama.cpp reports, not a silent SIGXFSZ kill.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)
+
+    def emit(obj: dict) -> None:
+        proto.write(json.dumps(obj) + "\n")
+
+    L = _bindings()
+    L.llama_backend_init()
+    pending: list[str] = []
+
+    def on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+        pending.append(text.decode("utf-8", "replace") if text else "")
+        joined = "".join(pending)
+        if "\n" not in joined:
+            return
+        *lines, rest = joined.split("\n")
+        pending[:] = [rest] if rest else []
+        for line in lines:
+            emit({"log": line, "level": int(level)})
+
+    callback = L.llama_log_callback(on_log)
+    prev_cb = L.llama_log_callback()
+    prev_ud = ctypes.c_void_p()
+    try:
+        L.llama_log_get(ctypes.byref(prev_cb), ctypes.byref(prev_ud))
+    except Exception:
+        prev_cb, prev_ud = None, ctypes.c_void_p(0)
+    emit({"ready": True})
+    for raw in sys.stdin:
+        if not raw.strip():
+            continue
+        job = json.loads(raw)
+        L.llama_log_set(callback, ctypes.c_void_p(0))
+        try:
+            params = L.llama_model_quantize_default_params()
+            params.ftype = int(job["ftype"])
+            params.nthread = int(job["nthread"])
+            params.allow_requantize = bool(job["allow_requantize"])
+            t0 = time.perf_counter()
+            rc = L.llama_model_quantize(job["input"].encode(), job["output"].encode(), ctypes.byref(params))
+            seconds = time.perf_counter() - t0
+            if pending:
+                emit({"log": "".join(pending), "level": 1})
+                pending.clear()
+            emit({"done": int(rc), "seconds": seconds})
+        finally:
+            # restore what was there (llama.cpp's stderr logger, or llama-cpp-python's)
+            L.llama_log_set(prev_cb if prev_cb else None, prev_ud)
+    proto.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""Dequantize a GGUF to F16, BF16 or F32 with gguf-py.
+
+Some models are published only quantized (the default model ships only as
+Q4_1). To measure what further quantization costs, they need a
+full-precision base: this expands every tensor back to floats
+(`gguf.quants.dequantize`), keeps all metadata (tokenizer, chat template,
+architecture keys) and sets `general.file_type` to the new type. Like
+llama.cpp's converter, 1-D tensors (norms, biases) stay F32; every other
+float tensor, the token embedding included, becomes the target type.
+
+Such a base is the quantized model's values written at higher precision, not
+the original weights: the store record says so (`extra["dequantized_from"]`),
+and files quantized from it inherit that note, so the quality evaluation can
+warn that its losses are measured against an already-quantized base.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from edgellm.errors import GGUFError, QuantizeError, UsageError
+from edgellm.fsutil import atomic_path, check_free_disk, sha256_file
+from edgellm.gguf_file import read_gguf
+from edgellm.models import resolve
+from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
+from edgellm.store import ModelRecord, Store
+
+from ._common import FLOAT_LEVELS, check_writable, inherited_lineage, plan_output, register_output
+from .levels import parse_level
+
+log = logging.getLogger(__name__)
+
+# Integer tensors (rare: token type tables) are copied unchanged.
+_INT_TYPES = ("I8", "I16", "I32", "I64")
+
+
+@dataclass
+class ConvertResult:
+    """One converted file, registered in the store."""
+
+    name: str
+    level: str  # "f16"
+    path: Path
+    size_bytes: int
+    bpw: float
+    tensor_types: dict[str, int]
+    source_level: str  # level of the input: "q4_1"
+    parent: Optional[str]
+    seconds: float
+    sha256: str = ""
+    warnings: list[str] = field(default_factory=list)
+    record: Optional[ModelRecord] = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "level": self.level,
+            "path": str(self.path),
+            "size_bytes": self.size_bytes,
+            "bpw": round(self.bpw, 4),
+            "tensor_types": self.tensor_types,
+            "source_level": self.source_level,
+            "parent": self.parent,
+            "seconds": round(self.seconds, 3),
+            "sha256": self.sha256,
+            "warnings": self.warnings,
+        }
+
+
+def convert(
+    model_ref_or_path: str | Path,
+    to: str = "f16",
+    *,
+    output: Optional[Path | str] = None,
+    name: Optional[str] = None,
+    force: bool = False,
+    store: Optional[Store] = None,
+    on_progress: ProgressCallback = no_progress,
+    cancel: Optional[CancelToken] = None,
+) -> ConvertResult:
+    """Write `model_ref_or_path` as an `to` ("f16", "bf16" or "f32") GGUF and register it.
+
+    The output is `<models>/<name>/<name>.gguf` (name: the input's name with
+    its level suffix swapped, e.g. `smollm2-135m-instruct-f16`) unless
+    `output` is given; `name` overrides the store name.
+
+    Raises UsageError (bad `to`), ModelNotFound, GGUFError (invalid input),
+    QuantizeError (already that type, split input, unsupported tensor type,
+    values beyond F16's range), ModelExists (output exists and not `force`),
+    InsufficientResources (disk), Cancelled. On any failure nothing is left
+    behind and nothing is registered.
+    """
+    t0 = time.perf_counter()
+    store = store or Store()
+    target = parse_level(to)
+    if target.key not in FLOAT_LEVELS:
+        raise UsageError(f"convert writes f16, bf16 or f32, not {target.key}; use `edgellm quantize --level {target.key}` for that")
+    resolved = resolve(str(model_ref_or_path), store=store)
+    info = read_gguf(resolved.path)
+    label = resolved.label
+    if info.split_count > 1:
+        raise QuantizeError(f"{label} is a split GGUF; merge it first (llama-gguf-split --merge)")
+    if info.file_type == target.ftype or (info.file_type is None and info.level == target.key):
+        raise QuantizeError(f"{label} is already {target.key}; nothing to convert")
+    plan = plan_output(resolved, info, target.key, output=output, name=name, force=force, store=store)
+    check_writable(plan.path.parent)
+
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, Keys
+
+    src = _read_for_copy(resolved.path)
+    out_qtype = GGMLQuantizationType[target.name]
+    plan_types: list[GGMLQuantizationType] = []
+    estimate = info.size_bytes - info.tensor_bytes  # the metadata is copied as is
+    for t in src.tensors:
+        if t.tensor_type.name in _INT_TYPES:
+            dst = t.tensor_type
+        elif len(t.shape) <= 1:
+            dst = GGMLQuantizationType.F32
+        else:
+            dst = out_qtype
+        plan_types.append(dst)
+        estimate += t.n_bytes if dst == t.tensor_type else t.n_elements * (4 if dst == GGMLQuantizationType.F32 else 2)
+    check_free_disk(plan.path.parent, estimate, what=f"{plan.name} ({target.key})")
+
+    writer = GGUFWriter(None, arch=info.architecture)
+    writer.data_alignment = src.alignment
+    for key, vtype, value, sub_type in src.kvs:
+        if key == Keys.General.ARCHITECTURE:
+            continue  # written by GGUFWriter itself
+        if key == Keys.General.FILE_TYPE:
+            writer.add_uint32(Keys.General.FILE_TYPE, target.ftype)
+        elif sub_type is not None and len(value) == 0:
+            log.warning("dropping empty metadata array %s (GGUFWriter cannot write one)", key)
+        else:
+            writer.add_key_value(key, value, vtype, sub_type=sub_type)
+    if not any(kv[0] == Keys.General.FILE_TYPE for kv in src.kvs):
+        writer.add_uint32(Keys.General.FILE_TYPE, target.ftype)
+    for t, dst in zip(src.tensors, plan_types):
+        np_shape = tuple(reversed(t.shape))
+        nbytes = t.n_bytes if dst == t.tensor_type else t.n_elements * (4 if dst == GGMLQuantizationType.F32 else 2)
+        writer.add_tensor_info(t.name, np_shape, np.dtype(np.float32), nbytes, raw_dtype=dst)
+
+    total = len(src.tensors)
+    task = f"convert {label} -> {target.key}"
+    meter = RateMeter()
+    with atomic_path(plan.path) as tmp:
+        try:
+            writer.open_output_file(tmp)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for i, (t, dst) in enumerate(zip(src.tensors, plan_types)):
+                if cancel is not None:
+                    cancel.check()
+                writer.write_tensor_data(_convert_tensor(t, dst, target.key))
+                on_progress(Progress(task, i + 1, total, "tensor", message=t.name, rate=meter.update(i + 1)))
+        except OSError as e:
+            raise QuantizeError(f"cannot write {plan.path}: {e.strerror or e}") from None
+        finally:
+            writer.close()
+        src.close()
+        out = read_gguf(tmp)
+        if out.tensor_count != info.tensor_count or out.parameters != info.parameters:
+            raise GGUFError(f"the converted file has {out.tensor_count} tensors / {out.parameters} weights, the input {info.tensor_count} / {info.parameters}")
+        sha = sha256_file(tmp, cancel=cancel)
+
+    warnings: list[str] = []
+    extra: dict[str, Any] = {"converted_from": label}
+    if info.level not in FLOAT_LEVELS:
+        extra["dequantized_from"] = info.level
+        warnings.append(
+            f"{plan.name} was dequantized from {info.level}: it holds {info.level}'s values at {target.key} precision, "
+            f"not the original weights, so quality measured against it excludes {info.level}'s own loss"
+        )
+        extra["lineage_warning"] = warnings[-1]
+    extra.update(inherited_lineage(resolved))
+    try:
+        rec = register_output(store, plan, out, sha, resolved=resolved, source="convert", extra=extra)
+    except BaseException:
+        plan.path.unlink(missing_ok=True)
+        raise
+    return ConvertResult(
+        name=rec.name, level=out.level, path=plan.path, size_bytes=out.size_bytes, bpw=out.bpw,
+        tensor_types=out.tensor_types, source_level=info.level, parent=rec.parent,
+        seconds=time.perf_counter() - t0, sha256=sha, warnings=warnings, record=rec,
+    )
+
+
+def _convert_tensor(t: Any, dst: Any, target: str):
+    """One tensor's data in the `dst` type (numpy, row-major, ready to write)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    if dst == t.tensor_type:
+        return t.data
+    try:
+        values = dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise QuantizeError(f"tensor '{t.name}' is {t.tensor_type.name}, which gguf-py cannot dequantize") from None
+    if dst == GGMLQuantizationType.F32:
+        return values.astype(np.float32, copy=False)
+    if dst == GGMLQuantizationType.F16:
+        with np.errstate(over="ignore"):
+            half = values.astype(np.float16)
+        if not np.isfinite(half).all() and np.isfinite(values).all():
+            raise QuantizeError(f"tensor '{t.name}' has values beyond F16's range (±65504); convert to bf16 or f32 instead")
+        return half
+    if dst == GGMLQuantizationType.BF16:
+        return quantize(values, GGMLQuantizationType.BF16)
+    raise QuantizeError(f"cannot convert '{t.name}' to {target}")  # pragma: no cover - plan_types only yields the above
+
+
+@dataclass
+class _SrcTensor:
+    name: str
+    shape: tuple[int, ...]  # GGUF order: row length first
+    tensor_type: Any  # GGMLQuantizationType
+    n_elements: int
+    n_bytes: int
+    data: Any  # numpy view: typed for F32/F16, uint8 rows of blocks otherwise (gguf-py's layout)
+
+
+@dataclass
+class _Source:
+    kvs: list[tuple[str, Any, Any, Any]]  # key, GGUFValueType, value, array item type
+    tensors: list[_SrcTensor]
+    alignment: int
+    _mm: Any = None
+
+    def close(self) -> None:
+        # the mapping goes when the last tensor view does
+        self._mm = None
+        self.tensors = []
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+
+
+def _read_for_copy(path: Path) -> _Source:
+    """Metadata (typed, strings as raw bytes) and tensor views of a GGUF that
+    `read_gguf` has already validated.
+
+    gguf-py's GGUFReader builds a numpy view per metadata item, which takes
+    4-9 s on a 49k-token vocabulary; this reads the same layout in ~0.3 s.
+    The tensor views use gguf-py's shapes, so `gguf.quants.dequantize` takes
+    them as they are.
+    """
+    import struct
+
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(mm)
+    pos = 8
+
+    def take(fmt: str):
+        nonlocal pos
+        v = struct.unpack_from(fmt, buf, pos)[0]
+        pos += struct.calcsize(fmt)
+        return v
+
+    def string() -> bytes:
+        nonlocal pos
+        n = take("<Q")
+        raw = bytes(buf[pos : pos + n])
+        pos += n
+        return raw
+
+    n_tensors, n_kv = take("<Q"), take("<Q")
+    kvs: list[tuple[str, Any, Any, Any]] = []
+    alignment = 32
+    for _ in range(n_kv):
+        key = string().decode("utf-8")
+        vt = take("<I")
+        if vt == 8:
+            kvs.append((key, GGUFValueType.STRING, string(), None))
+        elif vt == 9:
+            et, count = take("<I"), take("<Q")
+            if et == 8:
+                items = [string() for _i in range(count)]
+            else:
+                dt = np.dtype(_NP_SCALARS[et])
+                items = np.frombuffer(mm, dtype=dt, count=count, offset=pos).tolist()
+                pos += dt.itemsize * count
+            kvs.append((key, GGUFValueType.ARRAY, items, GGUFValueType(et)))
+        else:
+            value = take(_SCALARS[vt])
+            kvs.append((key, GGUFValueType(vt), value, None))
+            if key == "general.alignment":
+                alignment = int(value)
+    infos = []
+    for _ in range(n_tensors):
+        name = string().decode("utf-8")
+        n_dims = take("<I")
+        shape = tuple(take("<Q") for _d in range(n_dims))
+        qtype = GGMLQuantizationType(take("<I"))
+        infos.append((name, shape, qtype, take("<Q")))
+    data_start = (pos + alignment - 1) // alignment * alignment
+    tensors = []
+    for name, shape, qtype, offset in infos:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        n_el = int(np.prod(shape))
+        n_bytes = n_el // block * type_size
+        np_shape = tuple(reversed(shape))
+        start = data_start + offset
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or qtype.name in _INT_TYPES or qtype.name == "F64":
+            item = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}[qtype.name]
+            data = np.frombuffer(mm, dtype=item, count=n_el, offset=start).reshape(np_shape)
+        else:
+            data = np.frombuffer(mm, dtype=np.uint8, count=n_bytes, offset=start).reshape((*np_shape[:-1], np_shape[-1] // block * type_size))
+        tensors.append(_SrcTensor(name, shape, qtype, n_el, n_bytes, data))
+    return _Source(kvs, tensors, alignment, mm)
+
+
+__all__ = ["ConvertResult", "convert"]

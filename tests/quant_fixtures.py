@@ -1,0 +1,83 @@
+"""Fixtures shared by test_convert.py and test_quantize.py.
+
+The F16 of the default model is produced once per session by the real
+`convert` (about 7 s) and then registered into each test's own store by
+reference, like conftest's `default_model`. The session result is memoised
+in this module so both test files share one conversion.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+F16_NAME = "smollm2-135m-instruct-f16"
+_cache: dict[str, object] = {}
+
+
+@pytest.fixture(scope="session")
+def f16_session(default_gguf, tmp_path_factory):
+    """(ConvertResult, session home) for the default model converted to F16."""
+    if "f16" not in _cache:
+        from edgellm.gguf_file import read_gguf
+        from edgellm.models import record_from_info
+        from edgellm.store import Store
+        from quant.convert import convert
+
+        home = tmp_path_factory.mktemp("quant-session-home")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("EDGELLM_HOME", str(home))
+            store = Store()
+            info = read_gguf(default_gguf)
+            store.register(record_from_info("smollm2-135m-instruct-q4_1", info, [str(default_gguf)], "-", catalog="smollm2-135m-instruct"))
+            result = convert("smollm2-135m-instruct-q4_1", "f16", store=store)
+        _cache["f16"] = (result, home)
+    return _cache["f16"]
+
+
+@pytest.fixture
+def f16_model(f16_session, default_model):
+    """The session's F16 registered in this test's store (with its real lineage), plus the Q4_1 parent."""
+    from edgellm.store import ModelRecord, Store
+
+    result, _home = f16_session
+    rec = result.record
+    assert rec is not None
+    data = rec.to_json()
+    data.pop("path", None)
+    data["files"] = [str(result.path)]
+    data["file_sha256"] = {str(result.path): rec.sha256}
+    return Store().register(ModelRecord.from_json(data))
+
+
+def start_cli(*args: str, env: dict | None = None, preexec_fn=None) -> subprocess.Popen:
+    """The CLI in a child process we can signal (cli_subprocess waits for it)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "edgellm.cli", *map(str, args)],
+        env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=preexec_fn,
+    )
+
+
+def wait_for_partial(folder: Path, proc: subprocess.Popen, *, min_bytes: int = 1, timeout: float = 60) -> Path:
+    """Block until a `*.partial` file under `folder` holds data (the job is mid-write)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in folder.rglob("*.partial"):
+            try:
+                if p.stat().st_size >= min_bytes:
+                    return p
+            except FileNotFoundError:
+                continue
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the job ended (rc={proc.returncode}) before writing: {err[-500:]}")
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    raise AssertionError("no partial file appeared")

@@ -1,0 +1,270 @@
+"""edgellm quantize on the real default model: levels, outputs, lineage, kills, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from helpers import DEFAULT_NAME, assert_one_line_error, store_snapshot
+from quant_fixtures import F16_NAME, f16_model, f16_session, start_cli, wait_for_partial  # noqa: F401 (fixtures)
+
+FOUR = ["q4_0", "q4_k_m", "q5_k_m", "q8_0"]
+
+
+# -- levels table -------------------------------------------------------------
+
+
+def test_levels_match_llama_cpp_ftypes():
+    import llama_cpp
+
+    from quant.levels import LEVELS, parse_level
+
+    for lv in LEVELS:
+        const = "LLAMA_FTYPE_ALL_F32" if lv.name == "F32" else f"LLAMA_FTYPE_MOSTLY_{lv.name}"
+        assert getattr(llama_cpp, const) == lv.ftype, lv
+    assert len({lv.ftype for lv in LEVELS}) == len(LEVELS)
+    assert parse_level("Q4_K_M") is parse_level("q4_k_m") is parse_level("q4_k") is parse_level("15")
+    assert parse_level(" iq4_xs ").key == "iq4_xs"
+    needs = {lv.key for lv in LEVELS if lv.needs_imatrix}
+    assert needs == {"iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xxs", "iq3_xs", "q2_k_s"}
+
+
+# -- the main path: F16 -> four levels ----------------------------------------
+
+
+def test_four_levels_load_generate_and_list_lineage(cli, f16_model, edgellm_home):
+    from edgellm.runtime import Runtime, RuntimeOptions, SamplingParams
+    from edgellm.store import Store
+
+    res = cli("quantize", F16_NAME, *[a for lv in FOUR for a in ("--level", lv.upper())], "--threads", "2", "--json")
+    assert res.exit_code == 0, res
+    out = res.json()
+    assert [o["level"] for o in out] == FOUR
+    by = {o["level"]: o for o in out}
+    for o in out:
+        for key in ("level", "path", "size_bytes", "bpw", "tensor_types", "fallback_tensors", "seconds"):
+            assert key in o
+        assert o["name"] == f"smollm2-135m-instruct-{o['level']}"
+        assert os.path.getsize(o["path"]) == o["size_bytes"]
+        assert sum(o["tensor_types"].values()) == 272 and o["tensor_types"]["F32"] == 61
+        assert o["parent"] == F16_NAME and o["seconds"] > 0
+    # SmolLM2 is 576 wide: the K-quants' 256-blocks do not fit 6 of each layer's
+    # 7 matrices (30 layers x q, k, v, o, gate, up = 180 of 272 tensors)
+    assert by["q4_k_m"]["fallback_tensors"] == by["q5_k_m"]["fallback_tensors"] == 180
+    assert sum(by["q4_k_m"]["fallbacks"].values()) == 180
+    assert by["q4_k_m"]["fallbacks"]["Q4_K->Q5_0"] > 0 and by["q5_k_m"]["fallbacks"]["Q5_K->Q5_1"] > 0
+    assert by["q8_0"]["fallback_tensors"] == 0 and by["q8_0"]["tensor_types"] == {"F32": 61, "Q8_0": 211}
+    # ... which is why its Q4_K_M is larger than its Q4_0
+    assert by["q4_0"]["size_bytes"] < by["q4_k_m"]["size_bytes"] < by["q5_k_m"]["size_bytes"] < by["q8_0"]["size_bytes"]
+    assert 4.5 < by["q4_0"]["bpw"] < by["q4_k_m"]["bpw"] < by["q8_0"]["bpw"] < 8.6
+
+    for o in out:
+        rt = Runtime(o["path"], RuntimeOptions(n_ctx=128, n_threads=2))
+        try:
+            toks = rt.tokenize("The capital of France is")
+            text = "".join(rt.stream(toks, SamplingParams(temperature=0.0, max_tokens=4, seed=1)))
+        finally:
+            rt.close()
+        assert text.strip(), o["level"]
+
+    models = {m["name"]: m for m in cli("models", "list", "--json").json()["models"]}
+    for lv in FOUR:
+        m = models[f"smollm2-135m-instruct-{lv}"]
+        assert m["parent"] == F16_NAME and m["level"] == lv and m["source"] == "quantize"
+    assert models[F16_NAME]["parent"] == DEFAULT_NAME
+    # the quality evaluation must know the base was itself dequantized from q4_1
+    assert Store().get("smollm2-135m-instruct-q4_k_m").extra["base_dequantized_from"] == "q4_1"
+
+    # text report explains the fallback
+    before = store_snapshot(edgellm_home)
+    res = cli("quantize", F16_NAME, "--level", "q4_k_m")
+    assert_one_line_error(res)
+    assert "already exists" in res.stderr
+    assert store_snapshot(edgellm_home) == before
+    res = cli("quantize", F16_NAME, "--level", "q4_k_m", "--force", "--threads", "2")
+    assert res.exit_code == 0, res
+    assert "180 of 272 tensors" in res.stdout and "576" in res.stdout and "Q5_0" in res.stdout
+    # same library, same parameters: deterministic bytes
+    from pathlib import Path
+
+    from edgellm.fsutil import sha256_file
+
+    assert sha256_file(Path(by["q4_k_m"]["path"])) == by["q4_k_m"]["sha256"]
+
+
+# -- kill, cancel -------------------------------------------------------------
+
+
+def test_kill9_mid_quantize_leaves_nothing_and_rerun_succeeds(cli, f16_model, edgellm_home):
+    import psutil
+
+    before = store_snapshot(edgellm_home)
+    proc = start_cli("quantize", F16_NAME, "--level", "q8_0", "--threads", "1", "--no-progress")
+    partial = wait_for_partial(edgellm_home / "models", proc, min_bytes=1 << 20)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    assert workers, "the quantization runs in a child process"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, "the worker must die with its parent"
+    assert partial.name.endswith(".partial")
+    # the next start removes the dead job's temp file; nothing was registered
+    res = cli("models", "list", "--json")
+    assert res.exit_code == 0
+    assert not list(edgellm_home.rglob("*.partial"))
+    assert "smollm2-135m-instruct-q8_0" not in {m["name"] for m in res.json()["models"]}
+    assert store_snapshot(edgellm_home) == before
+    res = cli("quantize", F16_NAME, "--level", "q8_0", "--threads", "2", "--json")
+    assert res.exit_code == 0, res
+    assert res.json()[0]["tensor_types"] == {"F32": 61, "Q8_0": 211}
+
+
+def test_sigterm_cancels_cleanly(f16_model, edgellm_home):
+    before = store_snapshot(edgellm_home)
+    proc = start_cli("quantize", F16_NAME, "--level", "q5_k_m", "--threads", "1", "--no-progress")
+    wait_for_partial(edgellm_home / "models", proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert lines[-1].startswith("error: cancelled") and "Traceback" not in err
+    assert not list(edgellm_home.rglob("*.partial"))  # at once, not only at the next start
+    assert store_snapshot(edgellm_home) == before
+
+
+def test_cancel_token_stops_the_worker(f16_model, edgellm_home):
+    from edgellm.errors import Cancelled
+    from edgellm.progress import CancelToken
+    from quant.quantize import quantize
+
+    token = CancelToken()
+    seen = []
+
+    def on_progress(p):
+        seen.append(p.done)
+        if p.done >= 30:
+            token.cancel()
+
+    before = store_snapshot(edgellm_home)
+    t0 = time.monotonic()
+    with pytest.raises(Cancelled):
+        quantize(F16_NAME, ["q6_k"], threads=1, on_progress=on_progress, cancel=token)
+    assert time.monotonic() - t0 < 60
+    assert 30 <= max(seen) < 272  # per-tensor progress, stopped mid-way
+    assert store_snapshot(edgellm_home) == before
+
+
+# -- refusals -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--level", "q9_z"], "unknown level"),
+        (["--level", "f16"], "already f16"),
+        (["--level", "iq2_xs"], "importance matrix"),
+        ([], "at least one level"),
+        (["--level", "q4_0", "--threads", "0"], "--threads"),
+    ],
+)
+def test_bad_levels_refused(cli, f16_model, edgellm_home, args, needle):
+    before = store_snapshot(edgellm_home)
+    res = cli("quantize", F16_NAME, *args)
+    assert_one_line_error(res)
+    assert needle in res.stderr
+    assert store_snapshot(edgellm_home) == before
+
+
+def test_text_file_refused(cli, edgellm_home, tmp_path):
+    text = tmp_path / "readme.gguf"
+    text.write_text("hello, I am not a model\n" * 100)
+    before = store_snapshot(edgellm_home)
+    res = cli("quantize", str(text), "--level", "q4_0")
+    assert_one_line_error(res)
+    assert "not a GGUF" in res.stderr
+    assert store_snapshot(edgellm_home) == before
+
+
+def test_requantize_needs_flag_and_warns(cli, cli_subprocess, default_model, edgellm_home):
+    before = store_snapshot(edgellm_home)
+    res = cli("quantize", DEFAULT_NAME, "--level", "q4_0")
+    assert_one_line_error(res)
+    assert "--allow-requantize" in res.stderr and "compound" in res.stderr
+    assert store_snapshot(edgellm_home) == before
+    res = cli_subprocess("quantize", DEFAULT_NAME, "--level", "q4_0", "--allow-requantize", "--threads", "2", "--json")
+    assert res.exit_code == 0, res
+    out = res.json()[0]
+    assert "compound" in " ".join(out["warnings"]) and "compound" in res.stderr
+    assert out["input_level"] == "q4_1" and out["parent"] == DEFAULT_NAME
+
+
+def _read_only_folder(path):
+    """A folder this process cannot write to, even as root (a read-only tmpfs)."""
+    import subprocess
+
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        return lambda: path.chmod(0o755)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"running as root without permission to mount a read-only tmpfs: {r.stderr.strip()}")
+    return lambda: subprocess.run(["umount", str(path)], check=False)
+
+
+def test_read_only_output_folder(cli, f16_model, edgellm_home, tmp_path):
+    ro = tmp_path / "ro"
+    undo = _read_only_folder(ro)
+    try:
+        before = store_snapshot(edgellm_home)
+        res = cli("quantize", F16_NAME, "--level", "q4_0", "-o", str(ro / "out.gguf"))
+        assert_one_line_error(res)
+        assert "cannot write to the output folder" in res.stderr
+        assert store_snapshot(edgellm_home) == before
+        assert list(ro.iterdir()) == []
+    finally:
+        undo()
+
+
+def test_full_disk_preflight(cli, f16_model, edgellm_home, monkeypatch):
+    monkeypatch.setenv("EDGELLM_FAKE_FREE_BYTES", str(50 << 20))
+    before = store_snapshot(edgellm_home)
+    res = cli("quantize", F16_NAME, "--level", "q4_0", "--level", "q8_0")
+    assert_one_line_error(res)
+    assert "not enough disk" in res.stderr
+    assert store_snapshot(edgellm_home) == before
+
+
+def test_real_file_size_limit(f16_model, edgellm_home):
+    """A real write failure half-way (RLIMIT_FSIZE in the child): one line, nothing kept."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 << 20, 20 << 20))
+
+    before = store_snapshot(edgellm_home)
+    proc = start_cli("quantize", F16_NAME, "--level", "q8_0", "--threads", "2", "--no-progress", preexec_fn=limit)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "could not write" in lines[0], err
+    assert not list(edgellm_home.rglob("*.partial"))
+    assert store_snapshot(edgellm_home) == before
+
+
+def test_output_path_and_json_shape(cli, f16_model, edgellm_home, tmp_path):
+    target = tmp_path / "exports" / "tiny.gguf"
+    target.parent.mkdir()
+    res = cli("quantize", F16_NAME, "-l", "q4_0", "-o", str(target), "--threads", "2", "--json")
+    assert res.exit_code == 0, res
+    o = res.json()[0]
+    assert o["path"] == str(target) and target.is_file()
+    assert not list(target.parent.glob("*.partial"))
+    assert json.loads(json.dumps(o))["fallback_tensors"] == 1  # the tied embedding: Q6_K -> Q8_0
+    from edgellm.store import Store
+
+    rec = Store().get("smollm2-135m-instruct-q4_0")
+    assert rec.path == target and rec.parent == F16_NAME
