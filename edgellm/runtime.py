@@ -13,8 +13,12 @@ conversation evaluated only its new tokens.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +30,8 @@ from .progress import CancelToken
 log = logging.getLogger(__name__)
 
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+# Bytes per K/V element for each cache type (ggml block size / elements per block).
+from .hardware import KV_BYTES_PER_ELEM as KV_BYTES_PER_ELEMENT  # noqa: E402  (one table for the RAM guard and /stats)
 
 
 def default_threads() -> int:
@@ -58,6 +64,7 @@ class RuntimeOptions:
     seed: int = 0xFFFFFFFF
     logits_all: bool = False
     verbose: bool = False
+    force: bool = False  # load even when weights + KV exceed available RAM
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +93,10 @@ class GenerationStats:
     prompt_seconds: float = 0.0
     generation_seconds: float = 0.0
     stop_reason: str = ""  # "eos", "stop", "length", "cancelled"
+    # filled by edgellm.chat: the turn's place in the context window
+    dropped_turns: int = 0  # oldest turns dropped this turn because the context was full
+    kv_tokens: int = 0  # tokens held in the KV cache after the turn
+    context_size: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -123,12 +134,25 @@ def resolve_gpu_layers(value: Union[int, str], *, warn: Callable[[str], None] = 
 class Runtime:
     """One model loaded in llama.cpp."""
 
-    def __init__(self, path: Path | str, options: Optional[RuntimeOptions] = None, *, validate: bool = True) -> None:
+    def __init__(
+        self,
+        path: Path | str,
+        options: Optional[RuntimeOptions] = None,
+        *,
+        validate: bool = True,
+        warn: Optional[Callable[[str], None]] = None,
+    ) -> None:
         from .gguf_file import read_gguf
 
         self.path = Path(path)
         self.options = opts = options or RuntimeOptions()
         self.info = read_gguf(self.path) if validate else None
+        if self.info is not None:
+            from .gguf_file import check_tensor_data
+            from .hardware import check_fits_ram
+
+            check_tensor_data(self.path)
+            check_fits_ram(self.info, opts.n_ctx, kv_type=opts.kv_type, force=opts.force)
         if opts.kv_type not in KV_TYPES:
             raise UsageError(f"unknown KV cache type {opts.kv_type!r} (expected one of {', '.join(KV_TYPES)})")
         if opts.n_ctx < 8:
@@ -143,7 +167,7 @@ class Runtime:
             n_ubatch=min(opts.n_ubatch, opts.n_batch, opts.n_ctx),
             n_threads=n_threads,
             n_threads_batch=opts.n_threads_batch or n_threads,
-            n_gpu_layers=resolve_gpu_layers(opts.n_gpu_layers),
+            n_gpu_layers=resolve_gpu_layers(opts.n_gpu_layers, warn=warn or log.warning),
             use_mmap=opts.use_mmap,
             use_mlock=opts.use_mlock,
             seed=opts.seed,
@@ -157,9 +181,11 @@ class Runtime:
             kw["flash_attn"] = True
         elif opts.flash_attn is not None:
             kw["flash_attn"] = opts.flash_attn
+        self.n_gpu_layers = kw["n_gpu_layers"]
         t0 = time.perf_counter()
         try:
-            self.llm = llama_cpp.Llama(**kw)
+            with silence_native_stderr(enabled=not opts.verbose):
+                self.llm = llama_cpp.Llama(**kw)
         except (ValueError, RuntimeError, OSError) as e:
             raise RuntimeFailure(f"llama.cpp could not load {self.path.name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         self.load_seconds = time.perf_counter() - t0
@@ -181,6 +207,82 @@ class Runtime:
     def n_cached(self) -> int:
         """Tokens currently held in the KV cache."""
         return int(self.llm.n_tokens)
+
+    def kv_cache_bytes(self, n_ctx: Optional[int] = None, *, kv_type: Optional[str] = None) -> int:
+        """K and V for all layers at `n_ctx` tokens (the whole context by default) in the cache type."""
+        if self.info is None:
+            return 0
+        kt = kv_type or self.options.kv_type
+        return self.info.kv_cache_bytes(self.n_ctx if n_ctx is None else n_ctx, bytes_per_elem=KV_BYTES_PER_ELEMENT[kt])
+
+    def state_bytes(self) -> int:
+        """llama.cpp's own size of the context state (logits + the used KV cells, in the cache type)."""
+        import llama_cpp
+
+        return int(llama_cpp.llama_state_get_size(self.llm.ctx))
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether the vocab wants a BOS token in front of a prompt."""
+        import llama_cpp
+
+        return bool(llama_cpp.llama_vocab_get_add_bos(self.llm._model.vocab))
+
+    def token_bos(self) -> int:
+        return int(self.llm.token_bos())
+
+    def token_text(self, token: int) -> str:
+        """The text of a token, special tokens included (for templates: bos_token, eos_token)."""
+        if token is None or token < 0:
+            return ""
+        return self.token_piece(token).decode("utf-8", "replace")
+
+    def token_piece(self, token: int) -> bytes:
+        """The bytes a token renders to, special tokens as their text."""
+        import ctypes
+
+        import llama_cpp
+
+        size = 64
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(self.llm._model.vocab, llama_cpp.llama_token(token), buf, size, 0, True)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n + 1
+
+    def cached_tokens(self) -> list[int]:
+        """The token sequence now held in the KV cache."""
+        return [int(t) for t in self.llm.input_ids[: self.llm.n_tokens]]
+
+    def check_grammar(self, gbnf: str) -> None:
+        """Parse a GBNF grammar with llama.cpp's parser; a bad one → one-line UsageError.
+
+        llama.cpp prints parse errors to stderr and returns NULL, and
+        llama-cpp-python would hand that NULL to the sampler chain later, so
+        check it up front with stderr captured for the message.
+        """
+        import llama_cpp
+
+        if not gbnf.strip():
+            raise UsageError("the grammar is empty")
+        logged: list[str] = []
+
+        @llama_cpp.llama_log_callback
+        def on_log(level, text, _user):  # some parse errors go to the log, not stderr
+            logged.append(text.decode("utf-8", "replace") if text else "")
+
+        from llama_cpp import _logger
+
+        llama_cpp.llama_log_set(on_log, None)
+        try:
+            with capture_native_stderr() as captured:
+                smpl = llama_cpp.llama_sampler_init_grammar(self.llm._model.vocab, gbnf.encode("utf-8"), b"root")
+        finally:
+            llama_cpp.llama_log_set(_logger.llama_log_callback, None)
+        if not smpl:
+            raise UsageError("invalid grammar: " + _grammar_error(captured.text + "\n" + "".join(logged)))
+        llama_cpp.llama_sampler_free(smpl)
 
     def reset(self) -> None:
         self.llm.reset()
@@ -222,8 +324,9 @@ class Runtime:
         if len(prompt) >= self.n_ctx:
             raise UsageError(f"the prompt is {len(prompt)} tokens but the context holds {self.n_ctx}; raise --ctx or shorten it")
         max_new = min(s.max_tokens if s.max_tokens and s.max_tokens > 0 else self.n_ctx, self.n_ctx - len(prompt))
-        if s.seed is not None:
-            self.llm.set_seed(int(s.seed) & 0xFFFFFFFF)
+        # Without a seed, fall back to the load-time seed (random by default) so
+        # one seeded call does not make every later call deterministic.
+        self.llm.set_seed(int(s.seed if s.seed is not None else self.options.seed) & 0xFFFFFFFF)
         st.prompt_tokens = len(prompt)
         self._reset_perf()
         eos = {self.llm.token_eos()}
@@ -345,4 +448,78 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
     return best
 
 
-__all__ = ["Runtime", "RuntimeOptions", "SamplingParams", "GenerationStats", "default_threads", "resolve_gpu_layers", "Cancelled"]
+class _Captured:
+    text = ""
+
+
+@contextlib.contextmanager
+def capture_native_stderr() -> Iterator[_Captured]:
+    """Capture what C code writes to fd 2 (Python's own sys.stderr is untouched)."""
+    cap = _Captured()
+    try:
+        sys.stderr.flush()
+    except Exception:
+        pass
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        try:
+            os.dup2(tmp.fileno(), 2)
+            try:
+                yield cap
+            finally:
+                os.dup2(saved, 2)
+        finally:
+            os.close(saved)
+        tmp.seek(0)
+        cap.text = tmp.read().decode("utf-8", "replace")
+
+
+@contextlib.contextmanager
+def silence_native_stderr(*, enabled: bool = True) -> Iterator[None]:
+    """Send llama.cpp's and ggml's stderr chatter to /dev/null, keep Python's sys.stderr working.
+
+    When sys.stderr is the process's fd 2 it is rebound to a duplicate of the
+    real stderr for the duration, so warnings still reach the user.
+    """
+    if not enabled:
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        uses_fd2 = sys.stderr.fileno() == 2
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        uses_fd2 = False
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    old_stderr = sys.stderr
+    replacement = None
+    try:
+        if uses_fd2:
+            replacement = io.TextIOWrapper(io.FileIO(os.dup(saved), "w"), encoding=getattr(old_stderr, "encoding", None) or "utf-8", errors="replace", line_buffering=True)
+            sys.stderr = replacement
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+        if replacement is not None:
+            sys.stderr = old_stderr
+            with contextlib.suppress(Exception):
+                replacement.close()
+
+
+def _grammar_error(text: str) -> str:
+    """The first useful line of llama.cpp's grammar parser output."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in lines:
+        if "error parsing grammar" in ln or "parse:" in ln or "Undefined rule" in ln or "root" in ln:
+            msg = ln.split("error parsing grammar:", 1)[-1].strip()
+            return msg.rstrip(".")[:200]
+    return (lines[0][:200] if lines else "llama.cpp could not parse it")
+
+
+__all__ = [
+    "Runtime", "RuntimeOptions", "SamplingParams", "GenerationStats", "default_threads", "resolve_gpu_layers", "Cancelled",
+    "KV_TYPES", "KV_BYTES_PER_ELEMENT", "silence_native_stderr", "capture_native_stderr",
+]

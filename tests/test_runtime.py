@@ -1,0 +1,104 @@
+"""Runtime on the real default model: streaming, seeds, cancel, grammar checks, KV types.
+
+One Runtime per module (threads=1: the test machine's cores are shared, and
+ggml's spinning thread pool is much slower when oversubscribed).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from edgellm.errors import UsageError
+from edgellm.progress import CancelToken
+from edgellm.runtime import KV_BYTES_PER_ELEMENT, GenerationStats, Runtime, RuntimeOptions, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def rt(default_gguf):
+    r = Runtime(default_gguf, RuntimeOptions(n_ctx=512, n_threads=1))
+    yield r
+    r.close()
+
+
+def _prompt(rt, text="Write a sentence about the sea."):
+    return rt.tokenize(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_bos=False)
+
+
+def test_tokens_arrive_incrementally(rt):
+    st = GenerationStats()
+    seen_at = []  # generated-token count when each piece reached us
+    pieces = []
+    for piece in rt.stream(_prompt(rt), SamplingParams(max_tokens=24, seed=5, temperature=0.7), stats=st):
+        pieces.append(piece)
+        seen_at.append(st.generated_tokens)
+    assert len(pieces) > 1
+    assert seen_at[0] < st.generated_tokens, "the first piece came only after generation finished"
+    assert st.generated_tokens > 1 and st.tokens_per_second > 0
+    assert st.evaluated_prompt_tokens + st.reused_tokens == st.prompt_tokens
+
+
+def test_same_seed_same_reply_and_seeds_differ(rt):
+    def reply(seed):
+        rt.reset()  # identical KV state: reuse changes the last token's batch shape
+        return rt.complete(_prompt(rt, "Invent a name for a cat."), SamplingParams(max_tokens=16, seed=seed, temperature=1.0))[0]
+
+    a, b = reply(11), reply(11)
+    assert a == b and a
+    others = {reply(s) for s in (12, 13, 14)}
+    assert len(others | {a}) > 1, "different seeds never changed the reply"
+
+
+def test_cancel_stops_and_runtime_stays_usable(rt):
+    cancel = CancelToken()
+    st = GenerationStats()
+    n = 0
+    for _ in rt.stream(_prompt(rt, "Tell me a long story."), SamplingParams(max_tokens=200, seed=1, temperature=0.8), cancel=cancel, stats=st):
+        n += 1
+        if n == 3:
+            cancel.cancel()
+    assert st.stop_reason == "cancelled"
+    assert st.generated_tokens <= 4
+    text, st2 = rt.complete(_prompt(rt, "Say yes."), SamplingParams(max_tokens=8, seed=1))
+    assert st2.generated_tokens > 0 and st2.stop_reason in ("eos", "length")
+
+
+def test_prompt_longer_than_context(rt):
+    with pytest.raises(UsageError, match="context holds 512"):
+        list(rt.stream(list(range(100, 700)), SamplingParams(max_tokens=4)))
+
+
+def test_grammar_checked_by_llama_cpp(rt):
+    rt.check_grammar('root ::= "yes" | "no"')
+    with pytest.raises(UsageError, match="Undefined rule identifier 'nope'"):
+        rt.check_grammar("root ::= nope")
+    with pytest.raises(UsageError, match="root"):
+        rt.check_grammar('answer ::= "a"')
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    text, st = rt.complete(_prompt(rt, "Is water wet?"), SamplingParams(max_tokens=8, seed=3, grammar=LlamaGrammar.from_string('root ::= "yes" | "no"')))
+    assert text in ("yes", "no")
+
+
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_kv_type_memory_matches_llama_cpp(default_gguf, kv_type):
+    """The KV bytes we report per kv type are what llama.cpp's own state holds."""
+    sizes = {}
+    for kt in ("f16", kv_type):
+        r = Runtime(default_gguf, RuntimeOptions(n_ctx=256, n_threads=1, kv_type=kt))
+        try:
+            before = r.state_bytes()
+            r.complete(r.tokenize("The quick brown fox jumps over the lazy dog. " * 6), SamplingParams(max_tokens=1, seed=1))
+            used = r.state_bytes() - before
+            expected = r.kv_cache_bytes(r.n_cached)
+            assert expected > 0
+            assert abs(used - expected) / expected < 0.01, (kt, used, expected)
+            sizes[kt] = expected
+            assert r.kv_cache_bytes() == r.info.kv_cache_bytes(256, bytes_per_elem=KV_BYTES_PER_ELEMENT[kt])
+        finally:
+            r.close()
+    assert sizes[kv_type] < sizes["f16"] * 0.6
+
+
+def test_unknown_kv_type(default_gguf):
+    with pytest.raises(UsageError, match="unknown KV cache type"):
+        Runtime(default_gguf, RuntimeOptions(kv_type="q3_k"))
