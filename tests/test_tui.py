@@ -1,0 +1,243 @@
+"""The Textual TUI, driven headless through its pilot on the real default model.
+
+Behaviour tests go through the keys a user presses (F1-F6, the import
+dialog, the quantize form, the chat input) and assert on the store, the
+widgets and the notifications. Snapshot tests pin each screen at 100x30 with
+an empty store and a fixed RAM figure, so they hold on any machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import pytest_textual_snapshot
+from helpers import DEFAULT_NAME
+
+from edgellm.store import Store
+
+SIZE = (100, 30)
+SNAPSHOT_DIR = Path(__file__).parent / "snapshots"
+
+
+# Snapshots live in tests/snapshots/ rather than syrupy's __snapshots__/.
+pytest_textual_snapshot.SVGImageExtension.dirname = classmethod(lambda cls, *, test_location: str(SNAPSHOT_DIR))
+
+
+@pytest.fixture(autouse=True)
+def pinned_ram(monkeypatch):
+    # The fits-in-RAM marks depend on this figure, not on the machine.
+    monkeypatch.setenv("EDGELLM_TUI_RAM_BYTES", str(4 << 30))
+
+
+def make(**kw):
+    from tui.app import make_app
+
+    kw.setdefault("autorun", False)
+    kw.setdefault("stable", True)
+    return make_app(**kw)
+
+
+async def wait_for(pilot, cond, timeout: float = 120.0, what: str = "condition") -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.1)
+
+
+async def type_text(pilot, text: str) -> None:
+    for ch in text:
+        await pilot.press("space" if ch == " " else ch)
+
+
+def errors(app) -> list[str]:
+    return [m for sev, m in app.notices if sev == "error"]
+
+
+# -- behaviour ------------------------------------------------------------------
+
+
+def test_every_screen_opens_by_key(default_model):
+    from textual.widgets import DataTable
+
+    async def run():
+        app = make()
+        async with app.run_test(size=SIZE) as pilot:
+            seen = []
+            for key in ("f1", "f2", "f3", "f4", "f5", "f6", "1"):
+                await pilot.press(key)
+                await pilot.pause()
+                seen.append(type(app.screen).__name__)
+            names = [k.value for k in app.screen.query_one("#store", DataTable).rows]
+            assert DEFAULT_NAME in names
+            # ctrl+q quits from anywhere, even with the chat input focused
+            await pilot.press("f4")
+            await pilot.press("ctrl+q")
+            await pilot.pause()
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen == ["ModelsScreen", "QuantizeScreen", "EvaluateScreen", "ChatScreen", "BenchScreen", "SystemScreen", "ModelsScreen"]
+
+
+def test_import_through_the_dialog(default_gguf, edgellm_home):
+    from textual.widgets import DataTable
+
+    async def run():
+        app = make()
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("i")
+            await pilot.pause()
+            assert type(app.screen).__name__ == "AskModal"
+            app.screen.query_one("#ask-path").value = str(default_gguf)
+            await pilot.press("enter")  # to the name field
+            await type_text(pilot, "imported-135m")
+            await pilot.press("enter")
+            models = app.screen
+            await wait_for(pilot, lambda: Store().find("imported-135m") is not None and not models.query_one("JobBar").running, 60, "the import")
+            await pilot.pause(0.2)
+            rows = [str(k.value) for k in models.query_one("#store", DataTable).rows]
+            bar = models.query_one("JobBar").bar
+            return rows, bar.percentage, list(app.notices)
+
+    rows, pct, notices = asyncio.run(run())
+    rec = Store().get("imported-135m")
+    assert rec.size_bytes == default_gguf.stat().st_size
+    assert rec.level == "q4_1" and rec.path.is_file()
+    assert "imported-135m" in rows
+    assert pct == 1.0
+    assert ("information", "imported imported-135m") in notices
+
+
+def test_broken_file_shows_an_error_notification(tmp_path, edgellm_home):
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("this is a text file, not a model\n" * 20)
+
+    async def run():
+        app = make()
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("i")
+            await pilot.pause()
+            app.screen.query_one("#ask-path").value = str(bad)
+            await pilot.click("#ok")
+            models = app.screen
+            await wait_for(pilot, lambda: errors(app), 30, "an error notification")
+            await wait_for(pilot, lambda: not models.query_one("JobBar").running, 10, "the job to end")
+            return errors(app), app.notices
+
+    errs, notices = asyncio.run(run())
+    assert len(errs) == 1, notices
+    assert "GGUF" in errs[0] or "gguf" in errs[0], errs
+    assert "Traceback" not in errs[0] and "internal error" not in errs[0]
+    assert Store().list() == []
+
+
+def test_quantize_to_q8_0_reaches_100_percent_and_a_queued_job_cancels(default_model):
+    from textual.widgets import Checkbox, DataTable, SelectionList
+
+    async def run():
+        app = make(initial="quantize")
+        async with app.run_test(size=SIZE) as pilot:
+            scr = app.screen
+            assert type(scr).__name__ == "QuantizeScreen"
+            assert scr.query_one("#quant-base").value == DEFAULT_NAME
+            levels = scr.query_one("#quant-levels", SelectionList)
+            scr.query_one("#quant-requant", Checkbox).value = True  # the default is Q4_1: requantizing
+            levels.deselect_all()
+            levels.select("q8_0")
+            await pilot.press("a")
+            levels.deselect_all()
+            levels.select("q4_0")
+            await pilot.press("a")
+            await pilot.pause()
+            jobs = sorted(scr.jobs.values(), key=lambda j: j.id)
+            assert [j.level for j in jobs] == ["q8_0", "q4_0"]
+            # cancel the second job while the first runs
+            table = scr.query_one("#quant-jobs", DataTable)
+            table.focus()
+            table.move_cursor(row=1)
+            await pilot.press("x")
+            await wait_for(pilot, lambda: jobs[0].status in ("done", "failed", "cancelled"), 180, "the first job")
+            await wait_for(pilot, lambda: jobs[1].status in ("done", "failed", "cancelled"), 30, "the second job")
+            await pilot.pause(0.2)
+            bar = scr.query_one("JobBar").bar
+            results = scr.query_one("#quant-results", DataTable)
+            cells = [results.get_row_at(i) for i in range(results.row_count)]
+            status_cells = [table.get_row_at(i)[3:] for i in range(table.row_count)]
+            return jobs, bar.percentage, cells, status_cells, app.notices
+
+    jobs, pct, cells, status_cells, notices = asyncio.run(run())
+    assert not [m for s, m in notices if s == "error"], notices
+    assert jobs[0].status == "done" and jobs[0].pct == 100.0
+    assert pct == 1.0
+    assert status_cells[0] == ["done", "100%"]
+    assert jobs[1].status == "cancelled" and status_cells[1][0] == "cancelled"
+    assert len(cells) == 1 and cells[0][1] == "Q8_0"
+    out = Store().get("smollm2-135m-instruct-q8_0")
+    assert out.level == "q8_0" and out.parent == DEFAULT_NAME and out.path.is_file()
+    from edgellm.gguf_file import read_gguf
+
+    assert read_gguf(out.path).level == "q8_0"
+    assert Store().find("smollm2-135m-instruct-q4_0") is None
+
+
+def test_chat_streams_a_reply_and_escape_stops_one(default_model):
+    from textual.widgets import Input, Markdown
+
+    async def run():
+        app = make(initial="chat")
+        async with app.run_test(size=SIZE) as pilot:
+            scr = app.screen
+            assert scr.settings()["model"] == DEFAULT_NAME
+            scr.query_one("#set-max_tokens", Input).value = "48"
+            scr.query_one("#set-seed", Input).value = "7"
+            await type_text(pilot, "Hello! Who are you?")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: scr.generating, 10, "generation to start")
+            lengths = []
+
+            def grow():
+                if scr.last_reply:
+                    lengths.append(len(scr.last_reply))
+                return not scr.generating
+
+            await wait_for(pilot, grow, 120, "the reply")
+            await pilot.pause(0.2)
+            first = dict(
+                reply=scr.last_reply, updates=scr.stream_updates, lengths=lengths,
+                shown="".join(m._markdown for m in scr.query(Markdown)), stats=scr.last_stats,
+                status=str(scr.query_one("#chat-status").render()),
+            )
+            # a long reply, stopped with Escape once text is streaming
+            scr.query_one("#set-max_tokens", Input).value = "400"
+            await type_text(pilot, "Write a long story about a robot.")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: scr.generating and scr.last_reply, 60, "the second reply to stream")
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: not scr.generating, 30, "the reply to stop")
+            await pilot.pause(0.2)
+            second = dict(stats=scr.last_stats, log=[str(w.render()) for w in scr.query(".msg-info")])
+            return first, second, app.notices
+
+    first, second, notices = asyncio.run(run())
+    assert not [m for s, m in notices if s == "error"], notices
+    assert first["stats"].generated_tokens > 0
+    assert first["reply"].strip()
+    # streamed: the screen showed the reply growing in several steps
+    assert first["updates"] >= 2 and len(set(first["lengths"])) >= 2, first
+    assert first["reply"].strip()[:20] in first["shown"]
+    assert "tok/s" in first["status"] and "RSS" in first["status"]
+    st = second["stats"]
+    assert st.stop_reason == "cancelled" and 0 < st.generated_tokens < 400
+    assert "[stopped]" in second["log"]
+
+
+# -- snapshots ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key,name", [("f1", "models"), ("f2", "quantize"), ("f3", "evaluate"), ("f4", "chat"), ("f5", "bench"), ("f6", "system")])
+def test_snapshot(snap_compare, key, name, edgellm_home):
+    assert snap_compare(make(), press=[key, "_"], terminal_size=SIZE)

@@ -1,0 +1,197 @@
+"""The edgellm Textual app: six screens over the core API, switched by keys.
+
+The app holds no model logic. Each screen parses what the user picked, starts
+one core call in a thread worker, and renders the progress events and the
+result. What lives here: the screen table, the global bindings, the
+app-wide settings a test pins (RAM figure, autorun), the set of cancel
+tokens that must be stopped on quit, and `run_tui()`, which keeps
+llama.cpp's stderr off the terminal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from textual.app import App
+from textual.binding import Binding
+
+from edgellm.progress import CancelToken
+
+log = logging.getLogger(__name__)
+
+# mode name -> (key, label, screen class path); the order is the order of the nav bar
+SCREENS: list[tuple[str, str, str]] = [
+    ("models", "1", "Models"),
+    ("quantize", "2", "Quantize"),
+    ("evaluate", "3", "Evaluate"),
+    ("chat", "4", "Chat"),
+    ("bench", "5", "Bench"),
+    ("system", "6", "System"),
+]
+
+
+def _mode_factories() -> dict[str, Any]:
+    from .screens.bench import BenchScreen
+    from .screens.chat import ChatScreen
+    from .screens.evaluate import EvaluateScreen
+    from .screens.models import ModelsScreen
+    from .screens.quantize import QuantizeScreen
+    from .screens.system import SystemScreen
+
+    return {
+        "models": ModelsScreen,
+        "quantize": QuantizeScreen,
+        "evaluate": EvaluateScreen,
+        "chat": ChatScreen,
+        "bench": BenchScreen,
+        "system": SystemScreen,
+    }
+
+
+class EdgeApp(App):
+    """The TUI. Build it with `make_app()` so tests and the CLI get the same app."""
+
+    CSS_PATH = "edgellm.tcss"
+    TITLE = "edgellm"
+    ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+        *[Binding(key, f"switch_mode('{mode}')", label, show=False) for mode, key, label in SCREENS],
+        *[Binding(f"f{key}", f"switch_mode('{mode}')", label, show=False, priority=True) for mode, key, label in SCREENS],
+    ]
+
+    def __init__(
+        self,
+        *,
+        initial: str = "models",
+        ram_bytes: Optional[int] = None,
+        autorun: bool = True,
+        stable: bool = False,
+        driver_class: Any = None,
+    ) -> None:
+        super().__init__(driver_class=driver_class)
+        self.initial = initial
+        self._ram_bytes = ram_bytes
+        # autorun: screens may start their own slow jobs when first shown (the doctor)
+        self.autorun = autorun
+        # stable: no cursor blink and no live clocks, for snapshot tests and screenshots
+        self.stable = stable
+        self.tokens: set[CancelToken] = set()
+        self.notices: list[tuple[str, str]] = []
+
+    # -- shared state screens read ---------------------------------------
+
+    @property
+    def ram_bytes(self) -> int:
+        """RAM used for the fits-in-RAM marks. Pinned by tests (EDGELLM_TUI_RAM_BYTES)
+        so snapshots do not depend on the machine."""
+        if self._ram_bytes:
+            return self._ram_bytes
+        env = os.environ.get("EDGELLM_TUI_RAM_BYTES")
+        if env and env.isdigit():
+            return int(env)
+        from edgellm.hardware import memory
+
+        self._ram_bytes = memory().total_bytes
+        return self._ram_bytes
+
+    def notify(self, message: str, *, title: str = "", severity: str = "information", **kw: Any) -> None:
+        # Kept as a list too, so tests (and a future log pane) can read what was shown.
+        self.notices.append((severity, f"{title}: {message}" if title else str(message)))
+        super().notify(message, title=title, severity=severity, **kw)
+
+    def new_token(self) -> CancelToken:
+        tok = CancelToken()
+        self.tokens.add(tok)
+        return tok
+
+    def release_token(self, tok: CancelToken) -> None:
+        self.tokens.discard(tok)
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def on_mount(self) -> None:
+        for mode, factory in _mode_factories().items():
+            self.add_mode(mode, factory)
+        self.switch_mode(self.initial if self.initial in {m for m, _, _ in SCREENS} else "models")
+
+    async def action_switch_mode(self, mode: str) -> None:
+        if mode == self.current_mode:
+            return
+        await self.switch_mode(mode)
+
+    async def action_quit(self) -> None:
+        self.cancel_all("quitting")
+        self.exit()
+
+    def cancel_all(self, reason: str = "cancelled") -> None:
+        # Thread workers cannot be killed; the core jobs stop at their next check.
+        for tok in list(self.tokens):
+            tok.cancel(reason)
+
+    def on_unmount(self) -> None:
+        self.cancel_all("quitting")
+
+
+def make_app(**kw: Any) -> EdgeApp:
+    """The app the CLI runs and the tests drive (`make_app(initial="chat")`)."""
+    return EdgeApp(**kw)
+
+
+# -- running in a real terminal -----------------------------------------------
+
+
+def _terminal_driver(term_file):
+    """A driver that draws on `term_file` instead of fd 2, so fd 2 can go to a log."""
+    from textual.drivers.linux_driver import LinuxDriver
+
+    class TerminalDriver(LinuxDriver):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            self._file = term_file
+
+    return TerminalDriver
+
+
+def run_tui(**kw: Any) -> int:
+    """Run the app in this terminal with llama.cpp's stderr kept off the screen.
+
+    llama.cpp (and llama-cpp-python's own stderr suppression, which dup2()s fd
+    2 around model loads) write to fd 2, which is where Textual draws. So the
+    app draws on a duplicate of the terminal's fd and fd 2 points at a log
+    file under EDGELLM_HOME for the whole session.
+    """
+    from edgellm import paths
+
+    term_file = None
+    saved_fd = None
+    if os.name == "posix" and sys.__stderr__ is not None and sys.__stderr__.isatty():
+        try:
+            log_dir = paths.ensure(paths.home() / "logs")
+            log_path = Path(log_dir) / "tui-stderr.log"
+            sys.__stderr__.flush()
+            saved_fd = os.dup(2)
+            term_file = os.fdopen(os.dup(saved_fd), "w", encoding="utf-8", errors="replace")
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(log_fd, 2)
+            os.close(log_fd)
+            kw["driver_class"] = _terminal_driver(term_file)
+        except OSError as e:  # keep going with the plain driver rather than not at all
+            log.debug("stderr redirect failed: %s", e)
+    app = make_app(**kw)
+    try:
+        app.run()
+    finally:
+        if saved_fd is not None:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+        if term_file is not None:
+            try:
+                term_file.close()
+            except OSError:
+                pass
+    return app.return_code or 0
