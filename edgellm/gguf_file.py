@@ -141,6 +141,8 @@ class _Parsed:
         self.tensors: list[_Tensor] = []
         self.alignment = 32
         self.data_offset = 0
+        # (key, GGUF value type, value, array item type) as written; filled with raw=True
+        self.raw_kvs: list[tuple[str, int, Any, Optional[int]]] = []
 
 
 @dataclass
@@ -163,7 +165,9 @@ _MAX_COUNT = 1 << 32
 _KEEP_ARRAYS = 4096
 
 
-def _parse(path: Path, size: int) -> _Parsed:
+def _parse(path: Path, size: int, *, raw: bool = False) -> _Parsed:
+    """With `raw`, also keep every KV as written (strings as bytes, arrays whole)
+    in `raw_kvs`, for code that copies metadata verbatim (quant/convert.py)."""
     import mmap
     import struct
 
@@ -193,15 +197,18 @@ def _parse(path: Path, size: int) -> _Parsed:
             pos += 8
             return v
 
-        def string(what: str) -> str:
+        def raw_string(what: str) -> bytes:
             nonlocal pos
             n = u64()
             if n > _MAX_STR:
                 raise GGUFError(f"{path.name}: {what} claims a string of {n} bytes")
             need(n, what)
-            raw = mm[pos : pos + n]
+            b = mm[pos : pos + n]
             pos += n
-            return raw.decode("utf-8", "replace")
+            return b
+
+        def string(what: str) -> str:
+            return raw_string(what).decode("utf-8", "replace")
 
         def scalar(t: int, what: str):
             nonlocal pos
@@ -224,8 +231,13 @@ def _parse(path: Path, size: int) -> _Parsed:
             t = u32()
             if t in _SCALAR:
                 out.fields[key] = scalar(t, key)
+                if raw:
+                    out.raw_kvs.append((key, t, out.fields[key], None))
             elif t == 8:
-                out.fields[key] = string(key)
+                b = raw_string(key)
+                out.fields[key] = b.decode("utf-8", "replace")
+                if raw:
+                    out.raw_kvs.append((key, t, b, None))
             elif t == 9:
                 et = u32()
                 count = u64()
@@ -234,20 +246,25 @@ def _parse(path: Path, size: int) -> _Parsed:
                 if et in _SCALAR:
                     n = struct.calcsize(_SCALAR[et])
                     need(n * count, key)
-                    if count <= _KEEP_ARRAYS:
-                        out.fields[key] = list(struct.unpack_from("<" + _SCALAR[et][1] * count, mm, pos))
+                    if count <= _KEEP_ARRAYS or raw:
+                        items = list(struct.unpack_from("<" + _SCALAR[et][1] * count, mm, pos))
+                        if count <= _KEEP_ARRAYS:
+                            out.fields[key] = items
+                        if raw:
+                            out.raw_kvs.append((key, t, items, et))
                     pos += n * count
                 elif et == 8:
                     # minimum 8 bytes per string: reject impossible counts before looping
                     need(8 * count, key)
                     keep = count <= _KEEP_ARRAYS
-                    vals = []
-                    for _i in range(count):
-                        s_ = string(key)
-                        if keep:
-                            vals.append(s_)
+                    blobs = [raw_string(key) for _i in range(count)] if (keep or raw) else None
+                    if blobs is None:
+                        for _i in range(count):
+                            raw_string(key)
                     if keep:
-                        out.fields[key] = vals
+                        out.fields[key] = [b.decode("utf-8", "replace") for b in blobs]
+                    if raw:
+                        out.raw_kvs.append((key, t, blobs, et))
                 else:
                     raise GGUFError(f"{path.name}: {key} has an array of unsupported type {et}")
                 out.array_lengths[key] = count
@@ -284,6 +301,16 @@ def _parse(path: Path, size: int) -> _Parsed:
     finally:
         mm.close()
     return out
+
+
+def read_layout(path: Path | str) -> _Parsed:
+    """Every KV as written and the tensor table with absolute data offsets.
+
+    For code that rewrites a file (quant/convert.py); call `read_gguf` first
+    to validate it.
+    """
+    path = Path(path)
+    return _parse(path, _check_header(path), raw=True)
 
 
 def read_gguf(path: Path | str, *, check: bool = True) -> GGUFInfo:

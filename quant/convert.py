@@ -239,85 +239,36 @@ class _Source:
         self.tensors = []
 
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
-
-
 def _read_for_copy(path: Path) -> _Source:
     """Metadata (typed, strings as raw bytes) and tensor views of a GGUF that
     `read_gguf` has already validated.
 
-    gguf-py's GGUFReader builds a numpy view per metadata item, which takes
-    4-9 s on a 49k-token vocabulary; this reads the same layout in ~0.3 s.
+    The layout comes from edgellm's own GGUF reader (gguf-py's GGUFReader
+    builds a numpy view per metadata item: 4-9 s on a 49k-token vocabulary).
     The tensor views use gguf-py's shapes, so `gguf.quants.dequantize` takes
     them as they are.
     """
-    import struct
-
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+    from edgellm.gguf_file import read_layout
+
+    layout = read_layout(path)
+    kvs = [(k, GGUFValueType(t), v, GGUFValueType(et) if et is not None else None) for k, t, v, et in layout.raw_kvs]
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(mm)
-    pos = 8
-
-    def take(fmt: str):
-        nonlocal pos
-        v = struct.unpack_from(fmt, buf, pos)[0]
-        pos += struct.calcsize(fmt)
-        return v
-
-    def string() -> bytes:
-        nonlocal pos
-        n = take("<Q")
-        raw = bytes(buf[pos : pos + n])
-        pos += n
-        return raw
-
-    n_tensors, n_kv = take("<Q"), take("<Q")
-    kvs: list[tuple[str, Any, Any, Any]] = []
-    alignment = 32
-    for _ in range(n_kv):
-        key = string().decode("utf-8")
-        vt = take("<I")
-        if vt == 8:
-            kvs.append((key, GGUFValueType.STRING, string(), None))
-        elif vt == 9:
-            et, count = take("<I"), take("<Q")
-            if et == 8:
-                items = [string() for _i in range(count)]
-            else:
-                dt = np.dtype(_NP_SCALARS[et])
-                items = np.frombuffer(mm, dtype=dt, count=count, offset=pos).tolist()
-                pos += dt.itemsize * count
-            kvs.append((key, GGUFValueType.ARRAY, items, GGUFValueType(et)))
-        else:
-            value = take(_SCALARS[vt])
-            kvs.append((key, GGUFValueType(vt), value, None))
-            if key == "general.alignment":
-                alignment = int(value)
-    infos = []
-    for _ in range(n_tensors):
-        name = string().decode("utf-8")
-        n_dims = take("<I")
-        shape = tuple(take("<Q") for _d in range(n_dims))
-        qtype = GGMLQuantizationType(take("<I"))
-        infos.append((name, shape, qtype, take("<Q")))
-    data_start = (pos + alignment - 1) // alignment * alignment
     tensors = []
-    for name, shape, qtype, offset in infos:
+    for t in layout.tensors:
+        qtype = GGMLQuantizationType(t.type_id)
         block, type_size = GGML_QUANT_SIZES[qtype]
-        n_el = int(np.prod(shape))
-        n_bytes = n_el // block * type_size
+        shape = tuple(t.shape)
         np_shape = tuple(reversed(shape))
-        start = data_start + offset
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or qtype.name in _INT_TYPES or qtype.name == "F64":
             item = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}[qtype.name]
-            data = np.frombuffer(mm, dtype=item, count=n_el, offset=start).reshape(np_shape)
+            data = np.frombuffer(mm, dtype=item, count=t.n_elements, offset=t.data_offset).reshape(np_shape)
         else:
-            data = np.frombuffer(mm, dtype=np.uint8, count=n_bytes, offset=start).reshape((*np_shape[:-1], np_shape[-1] // block * type_size))
-        tensors.append(_SrcTensor(name, shape, qtype, n_el, n_bytes, data))
-    return _Source(kvs, tensors, alignment, mm)
+            data = np.frombuffer(mm, dtype=np.uint8, count=t.n_bytes, offset=t.data_offset).reshape((*np_shape[:-1], np_shape[-1] // block * type_size))
+        tensors.append(_SrcTensor(t.name, shape, qtype, t.n_elements, t.n_bytes, data))
+    return _Source(kvs, tensors, layout.alignment, mm)
 
 
 __all__ = ["ConvertResult", "convert"]
