@@ -1,0 +1,374 @@
+"""`edgellm serve` through the official `openai` client, on 127.0.0.1, with the real default model.
+
+One server subprocess serves the module (its own EDGELLM_HOME, an ephemeral
+port, --api-key, --queue 1, --ctx 1024, --max-loaded 1,
+--threads 1: one thread degrades least when other jobs share the two cores); the shutdown test
+starts a second one because it stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import jsonschema  # the `test` extra: a missing client must fail the run, not skip it
+import openai
+import pytest
+
+from helpers import DEFAULT_NAME, assert_one_line_error
+
+KEY = "test-key-123"
+SECOND = "smollm2-copy"  # the same file under a second store name, to exercise LRU eviction
+CTX = 1024
+# A schema whose string cannot end early: the grammar keeps a request busy for as long as max_tokens allows.
+LONG_SCHEMA = {"type": "object", "properties": {"s": {"type": "string", "minLength": 4000}}, "required": ["s"]}
+
+
+def _register(home: Path, gguf: Path, *names: str) -> None:
+    from edgellm.gguf_file import read_gguf
+    from edgellm.models import record_from_info
+    from edgellm.store import Store
+
+    info = read_gguf(gguf)
+    for name in names:
+        Store(home).register(record_from_info(name, info, [str(gguf)], "0" * 64, source="test"))
+
+
+def _start(home: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, EDGELLM_HOME=str(home))
+    proc = subprocess.Popen([sys.executable, "-m", "edgellm.cli", "serve", "--port", "0", *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    m = re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", line)
+    if not m:
+        proc.kill()
+        pytest.fail(f"server did not start: {line!r} {proc.stderr.read()}")
+    return proc, m.group(1)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, default_gguf):
+    home = tmp_path_factory.mktemp("serve-home")
+    _register(home, default_gguf, DEFAULT_NAME, SECOND)
+    proc, url = _start(home, DEFAULT_NAME, "--api-key", KEY, "--queue", "1", "--ctx", str(CTX), "--max-loaded", "1", "--threads", "1")
+    yield url
+    _stop(proc)
+    err = proc.stderr.read()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "graceful shutdown exceeded" not in err, err
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _raw(url: str, path: str, body: bytes | None = None, key: str | None = KEY) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url + path, data=body, method="POST" if body is not None else "GET")
+    req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def _assert_error_body(body: dict, *, code: str | None = None, param: str | None = None) -> None:
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    if code:
+        assert err["code"] == code, err
+    if param:
+        assert err["param"] == param, err
+
+
+def _template_prompt_tokens(gguf: Path, messages: list[dict]) -> int:
+    """Token count of the GGUF's own chat template rendered independently of the server."""
+    import llama_cpp
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from edgellm.gguf_file import read_gguf
+
+    template = read_gguf(gguf).chat_template
+    llm = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
+    try:
+        text = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template).render(
+            messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        return len(llm.tokenize(text.encode(), add_bos=False, special=True))
+    finally:
+        llm.close()
+
+
+# -- the API -------------------------------------------------------------------
+
+
+def test_models_list(client):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {DEFAULT_NAME, SECOND}
+    m = models[DEFAULT_NAME]
+    assert m.owned_by == "edgellm"
+    assert m.model_extra["context_length"] == 8192 and m.model_extra["level"] == "q4_1"
+
+
+def test_chat_uses_template_and_reports_usage(client, default_gguf):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=DEFAULT_NAME, messages=messages, max_tokens=24, temperature=0)
+    text = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant"
+    assert isinstance(text, str) and text.strip(), r
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == _template_prompt_tokens(default_gguf, messages)
+    assert 1 <= r.usage.completion_tokens <= 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    t = r.model_extra["timings"]
+    assert t["predicted_n"] == r.usage.completion_tokens
+    assert t["cache_n"] + t["prompt_n"] == r.usage.prompt_tokens
+    assert t["predicted_ms"] > 0 and t["prompt_ms"] > 0
+
+    # The same conversation again: llama.cpp reuses the prompt from the KV cache.
+    r2 = client.chat.completions.create(model=DEFAULT_NAME, messages=messages, max_tokens=1, temperature=0)
+    assert r2.choices[0].finish_reason == "length" and r2.usage.completion_tokens == 1
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completion_without_model_uses_the_default(client):
+    r = client.completions.create(model="", prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert r.model == DEFAULT_NAME
+    assert "Paris" in r.choices[0].text
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+
+
+def test_chat_streaming(client):
+    stream = client.chat.completions.create(
+        model=DEFAULT_NAME, messages=[{"role": "user", "content": "Write one sentence about the sea."}],
+        max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(pieces) >= 3, chunks
+    assert len(finals) == 1 and finals[0].usage is not None
+    usage = finals[0].usage
+    assert len(pieces) <= usage.completion_tokens <= 20
+    assert chunks[-1].choices == [] and chunks[-1].usage == usage  # the opt-in usage chunk comes last
+    assert all(c.id == chunks[0].id for c in chunks)
+
+
+def test_completion_streaming(client):
+    chunks = list(client.completions.create(model=DEFAULT_NAME, prompt="One, two, three,", max_tokens=8, temperature=0, stream=True))
+    assert len(chunks) >= 3
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_json_schema_reply_validates(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=DEFAULT_NAME, messages=[{"role": "user", "content": "Describe a person as JSON with a name and an age."}],
+        max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop", r
+    obj = json.loads(r.choices[0].message.content)
+    jsonschema.validate(obj, schema)
+
+
+def test_json_object_is_json(client):
+    r = client.chat.completions.create(model=DEFAULT_NAME, messages=[{"role": "user", "content": "Say hi"}],
+                                       max_tokens=6, temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].message.content.lstrip().startswith(("{", "["))
+
+
+def test_bad_json_schema_is_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=DEFAULT_NAME, messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+    _assert_error_body(e.value.response.json(), code="invalid_schema", param="response_format")
+
+
+def test_wrong_or_missing_key_is_401(server):
+    bad = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.status_code == 401
+    _assert_error_body(e.value.response.json(), code="invalid_api_key")
+    status, _, body = _raw(server, "/v1/chat/completions", b'{"messages": []}', key=None)
+    assert status == 401
+    _assert_error_body(body, code="invalid_api_key")
+
+
+def test_malformed_json_is_400_and_server_keeps_serving(server, client):
+    status, _, body = _raw(server, "/v1/chat/completions", b'{"model": "x", "messages": [')
+    assert status == 400
+    _assert_error_body(body, code="invalid_json")
+    assert body["error"]["type"] == "invalid_request_error"
+    r = client.chat.completions.create(model=DEFAULT_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "Hi"}])
+    _assert_error_body(e.value.response.json(), code="model_not_found", param="model")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="../../etc/passwd", messages=[{"role": "user", "content": "Hi"}])
+
+
+def test_max_tokens_beyond_context_is_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=DEFAULT_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=CTX + 1)
+    body = e.value.response.json()
+    _assert_error_body(body, code="context_length_exceeded", param="max_tokens")
+    assert str(CTX) in body["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEFAULT_NAME, prompt="word " * (CTX + 50), max_tokens=1)
+    _assert_error_body(e.value.response.json(), code="context_length_exceeded", param="prompt")
+    r = client.completions.create(model=DEFAULT_NAME, prompt="Hello", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def _health(server: str) -> dict:
+    return _raw(server, "/health")[2]["models"]
+
+
+def _wait_for(pred, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def test_full_queue_is_429_then_cancelled_streams_free_it(server, client):
+    def long_stream():
+        return client.chat.completions.create(
+            model=DEFAULT_NAME, messages=[{"role": "user", "content": "Write a long story."}], max_tokens=CTX - 100,
+            stream=True, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": LONG_SCHEMA}})
+
+    first = long_stream()
+    next(iter(first))  # running now
+    second: dict = {}
+    t = threading.Thread(target=lambda: second.setdefault("stream", long_stream()))
+    t.start()
+    _wait_for(lambda: _health(server)[DEFAULT_NAME]["queued"] == 1, "the second request to be queued")
+    with pytest.raises(openai.RateLimitError) as e:  # --queue 1: one running, one waiting, the third is refused
+        client.chat.completions.create(model=DEFAULT_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert e.value.status_code == 429
+    assert int(e.value.response.headers["retry-after"]) >= 1
+    _assert_error_body(e.value.response.json(), code="rate_limit_exceeded")
+
+    # Closing the first stream cancels its generation, so the queued one starts at once.
+    t0 = time.monotonic()
+    first.close()
+    t.join(60)
+    assert "stream" in second
+    next(iter(second["stream"]))
+    second["stream"].close()
+    assert time.monotonic() - t0 < 30
+    _wait_for(lambda: not _health(server)[DEFAULT_NAME]["busy"], "the cancelled stream to stop")
+    r = client.chat.completions.create(model=DEFAULT_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_client_that_gives_up_while_queued_is_never_run(server, client):
+    def long_request(c, stream):
+        return c.chat.completions.create(
+            model=DEFAULT_NAME, messages=[{"role": "user", "content": "Write a long story."}], max_tokens=900,
+            stream=stream, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": LONG_SCHEMA}})
+
+    served = _health(server)[DEFAULT_NAME]["served"]
+    first = long_request(client, True)
+    next(iter(first))
+    impatient = openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        long_request(impatient, False)  # queued behind the first, then the client hangs up
+    assert _health(server)[DEFAULT_NAME]["queued"] == 1
+    first.close()
+    # 900 forced tokens would take many seconds; a cancelled job is dropped when its turn comes.
+    _wait_for(lambda: (h := _health(server)[DEFAULT_NAME])["queued"] == 0 and not h["busy"], "the queue to drain", timeout=5)
+    assert _health(server)[DEFAULT_NAME]["served"] == served + 2
+
+
+def test_models_load_on_demand_with_lru_eviction(server, client):
+    client.completions.create(model=DEFAULT_NAME, prompt="a", max_tokens=1)
+    assert [n for n, s in _health(server).items() if s["loaded"]] == [DEFAULT_NAME]
+    r = client.completions.create(model=SECOND, prompt="a", max_tokens=1)
+    assert r.model == SECOND and r.model_extra["timings"]["load_ms"] > 0
+    assert [n for n, s in _health(server).items() if s["loaded"]] == [SECOND]  # --max-loaded 1
+    loaded = {m.id: m.model_extra["loaded"] for m in client.models.list().data}
+    assert loaded == {DEFAULT_NAME: False, SECOND: True}
+
+
+# -- process behaviour -----------------------------------------------------------
+
+
+def test_sigterm_cancels_in_flight_stream_and_exits_cleanly(tmp_path, default_gguf):
+    home = tmp_path / "home"
+    _register(home, default_gguf, DEFAULT_NAME)
+    proc, url = _start(home, DEFAULT_NAME, "--ctx", "512", "--threads", "1")
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = c.completions.create(
+            model=DEFAULT_NAME, prompt="Once", max_tokens=400, stream=True,
+            extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": LONG_SCHEMA}}})
+        it = iter(stream)
+        next(it)
+        proc.send_signal(signal.SIGTERM)
+        # The server cancels generation and says why in a last event, which the client raises.
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in it:
+                pass
+        rc = proc.wait(20)
+    finally:
+        _stop(proc)
+    err = proc.stderr.read()
+    assert rc == 0, err
+    assert "Traceback" not in err and "stopped" in err, err
+
+
+def test_bind_warning_only_off_loopback_without_key():
+    from edgellm.server import bind_warning, is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0")
+    assert bind_warning("127.0.0.1", None) is None
+    assert "api-key" in bind_warning("0.0.0.0", None)
+    assert bind_warning("0.0.0.0", "k") is None
+
+
+def test_cli_errors_are_one_line(cli, default_model):
+    res = cli("serve", "no-such-model", "--port", "0")
+    assert_one_line_error(res)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        res = cli("serve", DEFAULT_NAME, "--port", str(s.getsockname()[1]))
+    assert_one_line_error(res)
+    assert "cannot listen" in res.stderr
