@@ -73,9 +73,9 @@ def atomic_path(target: Path) -> Iterator[Path]:
     tmp = partial_path(target)
     try:
         yield tmp
-        _fsync_file(tmp)
+        _fsync(tmp)
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        _fsync(target.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -94,17 +94,8 @@ def atomic_write_text(target: Path, text: str) -> None:
         fh.write(text)
 
 
-def _fsync_file(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    # Makes the rename itself durable; not supported everywhere (Windows).
+def _fsync(path: Path) -> None:
+    # On a folder this makes a rename durable; not supported everywhere (Windows).
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
