@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""edgellm bench vs llama-bench, as ratios from one run.
+
+Makes the default model's Q4_K_M and Q8_0 (requantized from the shipped Q4_1
+with llama.cpp's own quantizer, allow_requantize: speed is the point here,
+not quality), then runs pp512 and tg128 through `edgellm.profile.bench` and
+through `llama-bench` (built from the same vendored llama.cpp with the same
+CPU flags by scripts/build_llama_tools.sh), alternating which tool goes first
+for each model in each round, so drift and background load hit both alike.
+Prints per test each tool's mean avg_ts over the rounds, the ratio of those
+means, and the median of the per-round paired ratios (the headline figure,
+robust to a burst of load landing on one call; goal >= 0.97).
+
+    .venv/bin/python scripts/bench_vs_llama_bench.py --threads 2 --rounds 5 -r 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+FTYPES = {"q4_k_m": 15, "q8_0": 7}
+GOAL = 0.97
+
+
+def default_source() -> Path:
+    from edgellm.catalog import load_catalog
+    from edgellm.errors import ModelNotFound
+    from edgellm.models import pull, resolve
+
+    name = load_catalog().default.name
+    try:
+        return resolve(name).path
+    except ModelNotFound:
+        print(f"pulling {name} ...", file=sys.stderr)
+        return pull(name).path
+
+
+def quantized(src: Path, level: str) -> Path:
+    import llama_cpp
+
+    from edgellm.paths import cache_dir
+
+    out = cache_dir() / "bench-models" / f"{src.stem}-requant-{level}.gguf"
+    if out.is_file() and out.stat().st_mtime >= src.stat().st_mtime:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".{os.getpid()}.partial")
+    quiet = llama_cpp.llama_log_callback(lambda level, text, ud: None)
+    llama_cpp.llama_log_set(quiet, ctypes.c_void_p(0))  # the per-tensor log would bury the figures
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[level]
+    params.allow_requantize = True
+    params.nthread = os.cpu_count() or 1
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        tmp.unlink(missing_ok=True)
+        sys.exit(f"error: quantizing {src.name} to {level} failed")
+    os.replace(tmp, out)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("-r", "--repetitions", type=int, default=2, help="repetitions per tool call")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds; each runs both tools once per model, alternating first")
+    ap.add_argument("--levels", default="q4_k_m,q8_0")
+    ap.add_argument("--source", type=Path, default=None, help="GGUF to requantize (default: the catalog default model)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args()
+
+    from edgellm.profile import bench, find_llama_bench, measure_bandwidth_now, run_llama_bench
+
+    src = args.source or default_source()
+    levels = [lv.strip().lower() for lv in args.levels.split(",") if lv.strip()]
+    files = [quantized(src, lv) for lv in levels]
+    exe = find_llama_bench()
+    print(f"source {src.name}, requantized to {', '.join(levels)} with llama_model_quantize(allow_requantize=True)")
+    print(f"llama-bench {exe}")
+    print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
+    ours: dict[tuple[str, str], list[float]] = {}
+    theirs: dict[tuple[str, str], list[float]] = {}
+    kw = dict(pp=args.pp, tg=args.tg, repetitions=args.repetitions, threads=args.threads)
+    t_start = time.time()
+    for rnd in range(args.rounds):
+        # one model at a time, the tools alternating who goes first: a burst of background load
+        # then lands on one pair, and the median of the paired ratios shrugs it off
+        for mi, f in enumerate(files):
+            order = ["edgellm", "llama-bench"] if (rnd + mi) % 2 == 0 else ["llama-bench", "edgellm"]
+            for tool in order:
+                if tool == "edgellm":
+                    for row in bench([f], measure_bandwidth=False, save=False, **kw):
+                        ours.setdefault((f.name, row.test), []).append(row.avg_ts)
+                else:
+                    for rec in run_llama_bench([f], exe=exe, **kw):
+                        test = f"pp{rec['n_prompt']}" if rec["n_prompt"] else f"tg{rec['n_gen']}"
+                        theirs.setdefault((f.name, test), []).append(float(rec["avg_ts"]))
+        print(f"round {rnd + 1}/{args.rounds} done ({time.time() - t_start:.0f} s)", file=sys.stderr)
+    bw = measure_bandwidth_now(threads=args.threads)
+    load1 = os.getloadavg() if hasattr(os, "getloadavg") else None
+
+    results = []
+    print()
+    print(f"{'model':48} {'test':6} {'edgellm t/s':>17} {'llama-bench t/s':>17} {'mean/mean':>9} {'median paired':>13}")
+    for key in sorted(ours, key=lambda k: (k[0], not k[1].startswith("pp"))):
+        a, b = ours[key], theirs.get(key, [])
+        if not b:
+            continue
+        ma, mb = statistics.mean(a), statistics.mean(b)
+        sa = statistics.stdev(a) if len(a) > 1 else 0.0
+        sb = statistics.stdev(b) if len(b) > 1 else 0.0
+        per_round = [x / y for x, y in zip(a, b)]
+        ratio = statistics.median(per_round)
+        results.append({"model": key[0], "test": key[1], "edgellm_ts": ma, "edgellm_sd": sa, "llama_bench_ts": mb,
+                        "llama_bench_sd": sb, "ratio_of_means": ma / mb, "ratio": ratio, "per_round_ratio": per_round})
+        flag = "" if ratio >= GOAL else "  < goal"
+        print(f"{key[0]:48} {key[1]:6} {ma:9.2f} ± {sa:5.2f} {mb:9.2f} ± {sb:5.2f} {ma / mb:8.3f}x {ratio:12.3f}x{flag}")
+    print()
+    print(f"threads {args.threads}, {args.rounds} rounds x {args.repetitions} repetitions per tool, tools alternating first")
+    print(f"memory bandwidth (numpy, {args.threads} threads, best of 5): read {bw.read_bytes_per_s / 1e9:.1f} GB/s")
+    if load0 and load1:
+        print(f"load average before/after: {load0[0]:.1f} / {load1[0]:.1f} on {os.cpu_count()} CPUs")
+    worst = min((r["ratio"] for r in results), default=0.0)
+    print(f"worst median paired ratio {worst:.3f}x (goal >= {GOAL}x)")
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "threads": args.threads, "rounds": args.rounds,
+                                         "repetitions": args.repetitions, "load": [load0, load1],
+                                         "bandwidth_read": bw.read_bytes_per_s}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""edgellm bench: llama-bench's fields and statistics, the memory split, errors, results, plot, sampler.
+
+Real model, real llama.cpp, small tests (pp 64, tg 16, 2 repetitions). No
+speed is asserted here: speed is what scripts/bench_vs_llama_bench.py is for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+import subprocess
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from helpers import DEFAULT_NAME, assert_one_line_error
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ("--pp", "64", "--tg", "16", "-r", "2", "--threads", "1", "--no-progress")
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(default_gguf, tmp_path_factory) -> Path:
+    """The default model requantized to Q8_0 with llama.cpp's own quantizer (ftype 7)."""
+    import llama_cpp
+
+    out = tmp_path_factory.mktemp("q8") / "smollm2-135m-instruct-q8_0.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = 7  # LLAMA_FTYPE_MOSTLY_Q8_0
+    params.allow_requantize = True
+    params.nthread = 2
+    rc = llama_cpp.llama_model_quantize(str(default_gguf).encode(), str(out).encode(), ctypes.byref(params))
+    assert rc == 0 and out.is_file()
+    return out
+
+
+def test_json_rows_use_llama_bench_fields(cli, default_model, edgellm_home):
+    res = cli("bench", DEFAULT_NAME, *SMALL, "--json")
+    assert res.exit_code == 0, res
+    rows = res.json()
+    assert [r["test"] for r in rows] == ["pp64", "tg16"]
+    for r in rows:
+        for key in ("model_filename", "n_prompt", "n_gen", "n_threads", "avg_ts", "stddev_ts", "test", "rss_bytes",
+                    "file_backed_bytes", "anon_bytes", "kv_bytes", "load_seconds", "ttft_seconds", "samples_ns", "samples_ts"):
+            assert key in r, key
+        assert r["model"] == DEFAULT_NAME and r["model_type"] == "q4_1"
+        assert Path(r["model_filename"]) == default_model.path
+        assert r["n_threads"] == 1 and len(r["samples_ns"]) == 2
+        assert r["avg_ts"] > 0 and r["stddev_ts"] >= 0
+        # llama-bench's avg_ts is the mean of per-repetition tokens/s
+        assert r["avg_ts"] == pytest.approx(sum(r["samples_ts"]) / 2, rel=1e-9)
+        assert r["load_seconds"] > 0 and 0 < r["ttft_seconds"] < 60
+        assert r["rss_bytes"] > r["file_backed_bytes"] > 0
+        # f16 K and V, 30 layers x 3 KV heads x 64 dims, at the context llama.cpp created
+        assert r["kv_bytes"] == 2 * 30 * r["n_ctx"] * 3 * 64 * 2
+    pp, tg = rows
+    assert (pp["n_prompt"], pp["n_gen"], tg["n_prompt"], tg["n_gen"]) == (64, 0, 0, 16)
+    # the roofline: bandwidth / weight bytes, and the fraction tg reached of it
+    assert tg["bandwidth_bytes_per_s"] > 1e8
+    assert tg["roofline_ts"] == pytest.approx(tg["bandwidth_bytes_per_s"] / tg["model_size"])
+    assert tg["roofline_fraction"] == pytest.approx(tg["avg_ts"] / tg["roofline_ts"])
+    assert pp["roofline_ts"] is None
+
+    # saved per model and machine, atomically, and readable back
+    from edgellm.profile import load_bench_results, machine_id
+
+    saved = list((edgellm_home / "results" / "bench").iterdir())
+    assert [p.name for p in saved] == [f"{DEFAULT_NAME}-{machine_id()}.json"]
+    back = load_bench_results(DEFAULT_NAME)
+    assert [(b["test"], b["avg_ts"]) for b in back] == [(r["test"], r["avg_ts"]) for r in rows]
+    assert load_bench_results("some-other-model") == []
+
+
+def test_stats_match_llama_bench_formula():
+    from edgellm._benchworker import stats_ts
+
+    # 64 tokens in 0.5 s, 0.25 s, 1 s -> 128, 256, 64 t/s
+    avg, sd = stats_ts([500_000_000, 250_000_000, 1_000_000_000], 64)
+    assert avg == pytest.approx((128 + 256 + 64) / 3)
+    import statistics
+
+    assert sd == pytest.approx(statistics.stdev([128, 256, 64]), rel=1e-9)  # sample sd (n - 1), as llama-bench
+    assert stats_ts([500_000_000], 64) == (128.0, 0.0)
+
+
+def test_memory_split_q8_0_mmap_vs_no_mmap(q8_gguf):
+    from edgellm.profile import bench
+
+    size = q8_gguf.stat().st_size
+    rows = bench([q8_gguf], pp=64, tg=16, repetitions=1, threads=1, n_ctx=1024, measure_bandwidth=False, save=False)
+    tg = rows[1]
+    assert tg.test == "tg16" and tg.n_ctx == 1024
+    # mmapped: the weights are resident file-backed pages, about the file's size
+    assert abs(tg.file_backed_bytes - size) <= 0.10 * size, (tg.file_backed_bytes, size)
+    # anonymous: the KV cache (f16, 1024 ctx: 23.6 MB) plus compute/output buffers and llama.cpp's bookkeeping
+    assert tg.kv_bytes == 2 * 30 * 1024 * 3 * 64 * 2
+    assert tg.kv_bytes <= tg.anon_bytes <= tg.kv_buffer_bytes + tg.compute_buffer_bytes + tg.output_buffer_bytes + (32 << 20), tg
+    assert tg.anon_bytes < 0.5 * size
+    assert tg.rss_bytes >= tg.file_backed_bytes + tg.anon_bytes
+
+    rows = bench([q8_gguf], pp=64, tg=16, repetitions=1, threads=1, n_ctx=1024, use_mmap=False, measure_bandwidth=False, save=False)
+    tg2 = rows[1]
+    # no mmap: the split flips; the weights are private anonymous memory, nothing of the file stays mapped
+    assert tg2.anon_bytes >= size, (tg2.anon_bytes, size)
+    assert tg2.anon_bytes >= tg.anon_bytes + 0.9 * size
+    assert tg2.file_backed_bytes < 0.05 * size
+    assert tg2.use_mmap is False
+
+
+def test_text_csv_md_and_plot(cli, default_model, tmp_path):
+    plot = tmp_path / "tps.png"
+    res = cli("bench", DEFAULT_NAME, "--pp", "32", "--tg", "8", "-r", "1", "--threads", "1", "--no-progress", "--plot", plot)
+    assert res.exit_code == 0, res
+    assert DEFAULT_NAME in res.stdout and "pp32" in res.stdout and "tg8" in res.stdout and "roofline" in res.stdout
+    data = plot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    w, h = struct.unpack(">II", data[16:24])
+    assert w >= 200 and h >= 200
+    assert not list(tmp_path.glob("*.partial"))
+
+    res = cli("bench", DEFAULT_NAME, "--pp", "16", "--tg", "0", "-r", "1", "--threads", "1", "--csv")
+    assert res.exit_code == 0, res
+    lines = res.stdout.strip().splitlines()
+    assert lines[0].startswith("model,model_filename,") and len(lines) == 2 and ",pp16,16,0,1," in lines[1]
+
+    res = cli("bench", DEFAULT_NAME, "--pp", "16", "--tg", "0", "-r", "1", "--threads", "1", "--md")
+    assert res.exit_code == 0, res
+    lines = res.stdout.strip().splitlines()
+    assert lines[0].startswith("| model |") and lines[1].startswith("|---") and "pp16" in lines[2]
+
+
+def test_png_fallback_writer_draws_bars():
+    """The numpy + zlib writer used when matplotlib is absent: valid PNG, bars of the right relative height."""
+    from edgellm._png import bar_chart_png
+
+    data = bar_chart_png(["a", "b"], {"pp": [(100.0, 0.0), (50.0, 0.0)]})
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    w, h = struct.unpack(">II", data[16:24])
+    idat = data[33 + 8: 33 + 8 + struct.unpack(">I", data[33:37])[0]]
+    raw = zlib.decompress(idat)
+    import numpy as np
+
+    img = np.frombuffer(raw, dtype=np.uint8).reshape(h, w * 3 + 1)[:, 1:].reshape(h, w, 3)
+    blue = np.all(img == (66, 133, 244), axis=2)
+    cols = blue.sum(axis=0)
+    heights = sorted({int(c) for c in cols if c})
+    assert len(heights) == 2 and heights[1] == pytest.approx(2 * heights[0], abs=2)
+
+
+def test_compare_llama_bench(cli, default_model, monkeypatch):
+    # the same tool the ratio script uses; built once per machine and cached, so usually instant
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_tools.sh")], capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("EDGELLM_LLAMA_TOOLS", proc.stdout.strip().splitlines()[-1])
+    res = cli("bench", DEFAULT_NAME, "--pp", "32", "--tg", "8", "-r", "1", "--threads", "1", "--json", "--compare-llama-bench")
+    assert res.exit_code == 0, res
+    for r in res.json():
+        assert r["llama_bench_ts"] > 0
+        assert r["ratio"] == pytest.approx(r["avg_ts"] / r["llama_bench_ts"])
+
+
+def test_errors_are_one_line(cli, default_model, tmp_path, edgellm_home):
+    for args in (["--pp", "0"], ["--pp", "-5"], ["--ctx", "32", "--pp", "64"], ["--tg", "-1"], ["-r", "0"]):
+        res = cli("bench", DEFAULT_NAME, *args, "--no-progress")
+        assert_one_line_error(res)
+    assert "--pp must be at least 1" in cli("bench", DEFAULT_NAME, "--pp", "0").stderr
+    assert "smaller than --pp 64" in cli("bench", DEFAULT_NAME, "--ctx", "32", "--pp", "64").stderr
+
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(os.urandom(4096))
+    assert_one_line_error(cli("bench", garbage))
+
+    # a well-formed GGUF that llama.cpp refuses: llama.cpp's own reason reaches the user
+    import gguf
+    import numpy as np
+
+    alien = tmp_path / "alien.gguf"
+    w = gguf.GGUFWriter(str(alien), "alienarch")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_head_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    res = cli("bench", alien, "--pp", "8", "--tg", "4", "-r", "1", "--no-progress")
+    assert_one_line_error(res)
+    assert "alienarch" in res.stderr
+    assert_one_line_error(cli("bench", "no-such-model"))
+    assert not (edgellm_home / "results" / "bench").exists() or not list((edgellm_home / "results" / "bench").iterdir())
+
+
+def test_cancel_stops_the_child(default_gguf):
+    import psutil
+
+    from edgellm.errors import Cancelled
+    from edgellm.profile import bench
+    from edgellm.progress import CancelToken
+
+    token = CancelToken()
+    seen: list = []
+
+    def on_progress(p):
+        seen.append(p)
+        token.cancel("stop")
+
+    before = {c.pid for c in psutil.Process().children()}
+    with pytest.raises(Cancelled):
+        bench([default_gguf], pp=16, tg=512, repetitions=50, threads=1, measure_bandwidth=False, on_progress=on_progress, cancel=token)
+    assert seen
+    left = []
+    for c in psutil.Process().children():
+        try:
+            if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE:
+                left.append(c)
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, left
+
+
+def test_live_sampler_rate_and_rss():
+    import psutil
+
+    from edgellm.profile import LiveSampler
+
+    with LiveSampler(interval=0.05, window=5.0) as s:
+        for _ in range(11):
+            s.tokens(1)
+            time.sleep(0.02)
+        time.sleep(0.15)
+        snap = s.snapshot()
+    assert snap.tokens == 11
+    # 10 intervals of >= 20 ms between the first and last token: at most 50 tokens/s
+    assert 0 < snap.tokens_per_second <= 50.5
+    assert snap.samples and all(rss > 0 for _, _, rss in snap.samples)
+    assert abs(snap.rss_bytes - psutil.Process().memory_info().rss) < 64 << 20
+    assert snap.peak_rss_bytes >= max(rss for _, _, rss in snap.samples)
+    json.dumps(snap.to_json())
