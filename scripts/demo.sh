@@ -23,3 +23,39 @@ $E doctor
 step "chat: one prompt, reply streamed token by token"
 $E chat smollm2-135m-instruct --temperature 0 --max-tokens 64 \
     -p "In one sentence, what is a quantized language model?"
+
+step "convert to F16 (the default ships only as Q4_1; the F16 is the base for the levels below)"
+if $E inspect smollm2-135m-instruct-f16 >/dev/null 2>&1; then
+    echo "smollm2-135m-instruct-f16 is already in the store"
+else
+    $E convert smollm2-135m-instruct --to f16
+fi
+
+step "quantize the F16 to four levels with llama.cpp (K-quants fall back on SmolLM2's 576-wide rows)"
+MISSING=""
+for L in q4_0 q4_k_m q5_k_m q8_0; do
+    $E inspect "smollm2-135m-instruct-$L" >/dev/null 2>&1 || MISSING="$MISSING --level $L"
+done
+if [ -n "$MISSING" ]; then
+    $E quantize smollm2-135m-instruct-f16 $MISSING
+else
+    echo "all four levels are already in the store"
+fi
+
+step "what each level costs: PPL, KLD and top-token agreement vs the F16 (WikiText-2, 8 chunks of 512)"
+CORPUS="$(cd .. && pwd)/shared/data/wikitext-2-raw/wiki.test.raw"
+if [ -f "$CORPUS" ]; then
+    # the base is evaluated once (its log-probs kept compactly), then each level against it
+    $E eval smollm2-135m-instruct-f16 --levels q4_0,q4_k_m,q5_k_m,q8_0 --text "$CORPUS" --ctx 512 --chunks 8
+else
+    echo "(skipped: the WikiText-2 corpus is not at $CORPUS)"
+fi
+
+step "speed and memory of the four levels (short runs; scripts/bench_vs_llama_bench.py for the full comparison)"
+$E bench smollm2-135m-instruct-q4_0 smollm2-135m-instruct-q4_k_m smollm2-135m-instruct-q5_k_m smollm2-135m-instruct-q8_0 \
+    --pp 128 --tg 32 -r 2
+
+step "the best measured level for this machine"
+$E recommend
+
+step "done: run \`.venv/bin/edgellm\` for the terminal UI"
