@@ -70,8 +70,8 @@ if [ "$INSTALLED_KEY" != "$KEY" ] || ! "$VPY" -c 'import llama_cpp' 2>/dev/null;
     "$VPY" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEEL"
     echo "$KEY" > .venv/.edgellm-llama-key
 fi
-say "installing edgellm (editable) with the server and test extras"
-"$VPY" -m pip install -q --disable-pip-version-check -e ".[serve,test]"
+say "installing edgellm (editable) with the server, plot and test extras"
+"$VPY" -m pip install -q --disable-pip-version-check -e ".[serve,plot,test]"
 
 say "checking the build"
 if "$VPY" -m edgellm.cli doctor --no-self-test >/dev/null; then :; else

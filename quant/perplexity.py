@@ -1,0 +1,489 @@
+"""Perplexity exactly as llama.cpp's `llama-perplexity` computes it.
+
+The algorithm (tools/perplexity/perplexity.cpp, `perplexity()`): tokenize the
+whole text once with the model's BOS rule and without parsing special tokens,
+cut it into non-overlapping chunks of n_ctx tokens, replace each chunk's
+first token with BOS, evaluate the chunk from an empty KV cache, and score
+only the second half (positions n_ctx/2 .. n_ctx-2 predict the next token).
+PPL = exp(mean NLL); the ± is llama.cpp's: PPL * sqrt(var(NLL) / (N - 1)).
+
+Batching follows llama-perplexity too: with n_batch >= 2*n_ctx, n_batch/n_ctx
+chunks go through one decode as parallel sequences, which is what makes the
+wall time comparable. The model is driven through llama.cpp's C API via
+llama-cpp-python's ctypes bindings; the batch arrays are numpy-owned and the
+logits are read as a numpy view of llama.cpp's buffer, so no per-token Python
+work happens anywhere.
+
+This module also owns text/corpus resolution (`load_text`) and the chunk
+driver (`LogitsRunner`) that quant/kld.py and quant/evaluate.py reuse.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from edgellm.errors import EvalError, RuntimeFailure, UsageError
+from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CTX = 512
+DEFAULT_BATCH = 2048  # llama-perplexity's default: 4 chunks of 512 per decode
+DEFAULT_UBATCH = 512
+
+WIKITEXT_REL = Path("wikitext-2-raw") / "wiki.test.raw"
+BUILTIN_CORPUS = "python-docs"
+CORPORA = ("wikitext-2", BUILTIN_CORPUS)
+
+
+# -- text and corpora -------------------------------------------------------
+
+
+@dataclass
+class Text:
+    """The bytes llama.cpp would tokenize, and what they are called in reports."""
+
+    data: bytes
+    label: str  # "wikitext-2", "python-docs", or the file name
+    sha256: str
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def wikitext_path() -> Path:
+    env = os.environ.get("EDGELLM_CORPUS_DIR")
+    if env:
+        return Path(env).expanduser() / WIKITEXT_REL
+    return _repo_root().parent / "shared" / "data" / WIKITEXT_REL
+
+
+def _builtin_text() -> bytes:
+    # Python's own documentation topics ship with every CPython: a corpus the
+    # demo can use on any machine without a download.
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # pragma: no cover - stripped Pythons
+        raise EvalError("the built-in corpus needs Python's pydoc_data module, which this Python lacks; use --text FILE") from None
+    return "\n\n".join(topics[k].strip() for k in sorted(topics)).encode("utf-8")
+
+
+def load_text(text: Optional[str | Path] = None, corpus: Optional[str] = None) -> Text:
+    """Read `--text FILE` or resolve `--corpus NAME`; refuse empty and binary input."""
+    if (text is None) == (corpus is None):
+        raise UsageError("give exactly one of --text FILE or --corpus NAME")
+    if corpus is not None:
+        name = corpus.strip().lower()
+        if name in ("wikitext-2", "wikitext2", "wikitext"):
+            path = wikitext_path()
+            if not path.is_file():
+                raise EvalError(
+                    f"the WikiText-2 corpus is not shipped with edgellm and was not found at {path}; "
+                    "download wikitext-2-raw and set EDGELLM_CORPUS_DIR to the folder holding wikitext-2-raw/, "
+                    f"or use --corpus {BUILTIN_CORPUS} or --text FILE"
+                )
+            t = _read_text_file(path)
+            return Text(t.data, "wikitext-2", t.sha256)
+        if name in (BUILTIN_CORPUS, "pydoc", "builtin"):
+            data = _builtin_text()
+            return Text(data, BUILTIN_CORPUS, hashlib.sha256(data).hexdigest())
+        raise UsageError(f"unknown corpus {corpus!r} (known: {', '.join(CORPORA)})")
+    return _read_text_file(Path(text))
+
+
+def _read_text_file(path: Path) -> Text:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise EvalError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise EvalError(f"{path}: is a folder, not a text file") from None
+    except OSError as e:
+        raise EvalError(f"{path}: cannot read ({e.strerror})") from None
+    if not data.strip():
+        raise EvalError(f"{path.name}: the file is empty")
+    if b"\x00" in data[: 1 << 20]:
+        raise EvalError(f"{path.name}: looks like a binary file, not text")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EvalError(f"{path.name}: not UTF-8 text (bad byte at offset {e.start}); perplexity needs a text file") from None
+    # llama.cpp's -f drops exactly one trailing newline; so do we, for equal tokens.
+    if data.endswith(b"\n"):
+        data = data[:-1]
+    return Text(data, path.name, hashlib.sha256(data).hexdigest())
+
+
+# -- the llama.cpp driver ---------------------------------------------------
+
+
+def _quiet_llama() -> Any:
+    import llama_cpp
+    from llama_cpp import _logger
+
+    _logger.set_verbose(False)
+    return llama_cpp
+
+
+class _Batch:
+    """A llama_batch whose arrays numpy owns, so filling it is a few slice copies."""
+
+    def __init__(self, capacity: int) -> None:
+        import llama_cpp
+
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.ones(capacity, np.int32)
+        self.seq = np.zeros(capacity, np.int32)
+        self.logits = np.zeros(capacity, np.int8)
+        # seq_id is an array of per-token pointers; point each at its slot of `seq`.
+        self._seq_ptrs = (self.seq.ctypes.data + 4 * np.arange(capacity, dtype=np.uintp)).astype(np.uintp)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        self.struct = llama_cpp.llama_batch()
+        self.struct.token = self.token.ctypes.data_as(i32p)
+        self.struct.embd = None
+        self.struct.pos = self.pos.ctypes.data_as(i32p)
+        self.struct.n_seq_id = self.n_seq_id.ctypes.data_as(i32p)
+        self.struct.seq_id = ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(i32p))
+        self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.struct.n_tokens = 0
+
+
+@dataclass
+class ChunkPlan:
+    n_ctx: int
+    n_chunk: int
+    n_batch: int
+    n_seq: int
+    first: int
+
+    @property
+    def n_scored_per_chunk(self) -> int:
+        return self.n_ctx - 1 - self.first
+
+
+def check_options(ctx: int, batch: int, threads: Optional[int], chunks: Optional[int]) -> None:
+    """Refuse bad numbers before llama.cpp sees them (it asserts rather than reports)."""
+    if ctx < 16:
+        raise UsageError(f"--ctx {ctx} is too small (at least 16)")
+    if batch < 1:
+        raise UsageError("--batch must be at least 1")
+    if threads is not None and threads < 1:
+        raise UsageError("--threads must be at least 1")
+    if chunks is not None and chunks < 1:
+        raise UsageError("--chunks must be at least 1")
+
+
+def plan_chunks(n_tokens: int, n_ctx: int, chunks: Optional[int], batch: Optional[int]) -> ChunkPlan:
+    """llama-perplexity's chunk and batch arithmetic, with its refusals as one-line errors."""
+    if n_ctx < 16:
+        raise UsageError(f"--ctx {n_ctx} is too small (at least 16)")
+    if chunks is not None and chunks < 1:
+        raise UsageError("--chunks must be at least 1")
+    batch = DEFAULT_BATCH if batch is None else batch
+    if batch < 1:
+        raise UsageError("--batch must be at least 1")
+    if n_tokens < 2 * n_ctx:
+        raise EvalError(
+            f"the text tokenizes to only {n_tokens} tokens; perplexity with --ctx {n_ctx} needs at least {2 * n_ctx}"
+        )
+    n_chunk_max = n_tokens // n_ctx
+    n_chunk = n_chunk_max if chunks is None else min(chunks, n_chunk_max)
+    n_seq = max(1, batch // n_ctx)
+    n_batch = min(batch, n_seq * n_ctx)
+    return ChunkPlan(n_ctx=n_ctx, n_chunk=n_chunk, n_batch=n_batch, n_seq=n_seq, first=n_ctx // 2)
+
+
+class LogitsRunner:
+    """One model and one llama.cpp context sized for a chunk plan.
+
+    `chunks(tokens, plan)` yields, per chunk, the logits of the scored
+    positions (a float32 (n_ctx-1-first, n_vocab) view, valid until the next
+    iteration) and the token each row predicts.
+    """
+
+    def __init__(self, path: Path | str, *, n_ctx: int, n_seq: int, n_batch: int, threads: Optional[int] = None) -> None:
+        from edgellm.gguf_file import read_gguf
+        from edgellm.runtime import default_threads
+
+        self.path = Path(path)
+        self.info = read_gguf(self.path)  # validate before llama.cpp sees the file
+        llama_cpp = _quiet_llama()
+        self._ll = llama_cpp
+        self.threads = threads or default_threads()
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self.model:
+            raise RuntimeFailure(f"llama.cpp could not load {self.path.name}")
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = n_ctx * n_seq
+        cp.n_batch = n_batch
+        cp.n_ubatch = min(DEFAULT_UBATCH, n_batch)
+        cp.n_seq_max = n_seq
+        cp.n_threads = self.threads
+        cp.n_threads_batch = self.threads
+        cp.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None
+            raise RuntimeFailure(f"llama.cpp could not create a context of {n_ctx * n_seq} tokens for {self.path.name}")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
+        self.n_ctx, self.n_seq, self.n_batch = n_ctx, n_seq, n_batch
+        self._batch = _Batch(n_batch)
+        self.eval_seconds = 0.0
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self._ll.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            self._ll.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self) -> "LogitsRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - safety net
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def tokenize(self, data: bytes) -> np.ndarray:
+        """common_tokenize(ctx, text, add_special=true, parse_special=false)."""
+        return tokenize(self._ll, self.vocab, data)
+
+    def chunks(self, tokens: np.ndarray, plan: ChunkPlan, *, cancel: Optional[CancelToken] = None) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        ll, b = self._ll, self._batch
+        n_ctx, first, n_vocab = plan.n_ctx, plan.first, self.n_vocab
+        n_out = n_ctx - first  # outputs requested per chunk (the last one predicts nothing)
+        n_score = n_ctx - 1 - first
+        num_batches = (n_ctx + plan.n_batch - 1) // plan.n_batch
+        joined = np.empty((n_out, n_vocab), np.float32) if num_batches > 1 else None
+        mem = ll.llama_get_memory(self.ctx)
+        for i in range(0, plan.n_chunk, plan.n_seq):
+            if cancel is not None:
+                cancel.check()
+            start = i * n_ctx
+            n_seq_batch = min(plan.n_seq, plan.n_chunk - i)
+            t0 = time.perf_counter()
+            ll.llama_memory_clear(mem, True)
+            got = 0
+            for j in range(num_batches):
+                size = min(n_ctx - j * plan.n_batch, plan.n_batch)
+                n = 0
+                for seq in range(n_seq_batch):
+                    s = start + j * plan.n_batch + seq * n_ctx
+                    b.token[n:n + size] = tokens[s:s + size]
+                    if self.add_bos and j == 0:
+                        b.token[n] = self.bos
+                    pos = np.arange(j * plan.n_batch, j * plan.n_batch + size, dtype=np.int32)
+                    b.pos[n:n + size] = pos
+                    b.seq[n:n + size] = seq
+                    b.logits[n:n + size] = pos >= first
+                    n += size
+                b.struct.n_tokens = n
+                rc = ll.llama_decode(self.ctx, b.struct)
+                if rc != 0:
+                    raise RuntimeFailure(f"llama.cpp failed to decode chunk {i + 1} of {self.path.name} (code {rc})")
+                n_outputs = int(np.count_nonzero(b.logits[:n]))
+                if n_outputs and joined is not None:
+                    view = np.ctypeslib.as_array(ll.llama_get_logits(self.ctx), shape=(n_outputs, n_vocab))
+                    joined[got:got + n_outputs] = view
+                    got += n_outputs
+            if joined is not None:
+                all_logits = joined[None]
+            else:
+                ptr = ll.llama_get_logits(self.ctx)
+                all_logits = np.ctypeslib.as_array(ptr, shape=(n_seq_batch, n_out, n_vocab))
+            self.eval_seconds += time.perf_counter() - t0
+            for seq in range(n_seq_batch):
+                s = start + seq * n_ctx
+                yield i + seq, all_logits[seq, :n_score], tokens[s + first + 1:s + n_ctx]
+
+
+def tokenize(llama_cpp: Any, vocab: Any, data: bytes) -> np.ndarray:
+    n_max = len(data) + 2
+    buf = np.empty(n_max, np.int32)
+    ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+    n = llama_cpp.llama_tokenize(vocab, data, len(data), ptr, n_max, True, False)
+    if n < 0:
+        buf = np.empty(-n, np.int32)
+        ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        n = llama_cpp.llama_tokenize(vocab, data, len(data), ptr, -n, True, False)
+    if n < 0:
+        raise EvalError("tokenization failed")
+    return buf[:n].copy()
+
+
+# -- log-softmax, as process_logits does it ---------------------------------
+
+
+class LogSoftmax:
+    """Row-wise log-sum-exp of float32 logits: max in float32, exp in float32,
+    the sum in float64 (llama.cpp: expf, summed into a double). Reuses one
+    scratch buffer so a chunk costs no allocation."""
+
+    def __init__(self) -> None:
+        self._buf: Optional[np.ndarray] = None
+        # After lse(): exp(logit - row max) per entry, and its float64 row sums;
+        # quant/kld.py sums subsets of it to get exact tail masses.
+        self.exp: Optional[np.ndarray] = None
+        self.sums: Optional[np.ndarray] = None
+
+    def lse(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(max per row, log-sum-exp per row) in float64."""
+        if self._buf is None or self._buf.shape[1] != logits.shape[1] or self._buf.shape[0] < logits.shape[0]:
+            self._buf = np.empty(logits.shape, np.float32)
+        buf = self._buf[: logits.shape[0]]
+        m = logits.max(axis=1)
+        np.subtract(logits, m[:, None], out=buf)
+        np.exp(buf, out=buf)
+        s = buf.sum(axis=1, dtype=np.float64)
+        m64 = m.astype(np.float64)
+        self.exp, self.sums, self.lse_rows = buf, s, m64 + np.log(s)
+        return m64, self.lse_rows
+
+    def nll(self, logits: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(NLL of each target, log-sum-exp per row)."""
+        _, lse = self.lse(logits)
+        picked = logits[np.arange(len(targets)), targets].astype(np.float64)
+        return lse - picked, lse
+
+
+def ppl_with_error(sum_nll: float, sum_nll2: float, count: int) -> tuple[float, float]:
+    """llama-perplexity's final estimate: PPL and its ± (0 when the variance is not positive)."""
+    if count == 0:
+        return float("nan"), float("nan")
+    nll = sum_nll / count
+    var = sum_nll2 / count - nll * nll
+    ppl = math.exp(nll)
+    if var > 0 and count > 1:
+        return ppl, math.sqrt(var / (count - 1)) * ppl
+    return ppl, 0.0
+
+
+# -- the public job ----------------------------------------------------------
+
+
+@dataclass
+class PerplexityResult:
+    model: str
+    path: str
+    ppl: float
+    ppl_err: float
+    n_chunks: int
+    n_tokens_scored: int
+    n_tokens_evaluated: int
+    tokens_per_second: float  # tokens evaluated (all chunk positions) per second of decode + scoring
+    seconds: float
+    corpus: str
+    corpus_sha256: str
+    ctx: int
+    batch: int
+    threads: int
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ppl"] = round(self.ppl, 6)
+        d["ppl_err"] = round(self.ppl_err, 6)
+        d["tokens_per_second"] = round(self.tokens_per_second, 2)
+        d["seconds"] = round(self.seconds, 3)
+        return d
+
+
+# (chunk index, scored logits, targets, NLL per row, the LogSoftmax holding exp/sums/lse_rows)
+ChunkHook = Callable[[int, np.ndarray, np.ndarray, np.ndarray, "LogSoftmax"], None]
+
+
+def score(
+    runner: LogitsRunner,
+    tokens: np.ndarray,
+    plan: ChunkPlan,
+    *,
+    task: str = "perplexity",
+    on_chunk: Optional[ChunkHook] = None,
+    on_progress: ProgressCallback = no_progress,
+    cancel: Optional[CancelToken] = None,
+) -> tuple[float, float, int, float]:
+    """Run every chunk; return (sum NLL, sum NLL², count, seconds).
+
+    `on_chunk(index, logits, targets, nll, softmax)` sees each chunk's scored
+    logits while they are still llama.cpp's buffer (KLD hooks in here).
+    """
+    sm = LogSoftmax()
+    sum_nll = sum_nll2 = 0.0
+    count = 0
+    t0 = time.perf_counter()
+    on_progress(Progress(task, 0, plan.n_chunk, "chunk"))
+    for idx, logits, targets in runner.chunks(tokens, plan, cancel=cancel):
+        nll, _ = sm.nll(logits, targets)
+        sum_nll += float(nll.sum())
+        sum_nll2 += float(np.dot(nll, nll))
+        count += len(nll)
+        if on_chunk is not None:
+            on_chunk(idx, logits, targets, nll, sm)
+        done = idx + 1
+        elapsed = time.perf_counter() - t0
+        if done % plan.n_seq == 0 or done == plan.n_chunk:
+            on_progress(Progress(task, done, plan.n_chunk, "chunk", message=f"PPL {math.exp(sum_nll / count):.4f}  {done * plan.n_ctx / elapsed:.0f} tok/s", rate=done / elapsed if elapsed > 0 else None))
+    return sum_nll, sum_nll2, count, time.perf_counter() - t0
+
+
+def perplexity(
+    model: str | Path,
+    *,
+    text: Optional[str | Path] = None,
+    corpus: Optional[str] = None,
+    ctx: int = DEFAULT_CTX,
+    chunks: Optional[int] = None,
+    batch: Optional[int] = None,
+    threads: Optional[int] = None,
+    store: Any = None,
+    on_progress: ProgressCallback = no_progress,
+    cancel: Optional[CancelToken] = None,
+) -> PerplexityResult:
+    """PPL ± err of `model` (store name, catalog ref or path) on a text, as llama-perplexity reports it."""
+    from edgellm.models import resolve
+
+    src = load_text(text, corpus)
+    resolved = resolve(str(model), store=store)
+    batch = DEFAULT_BATCH if batch is None else batch
+    check_options(ctx, batch, threads, chunks)
+    n_seq = max(1, batch // ctx)
+    with LogitsRunner(resolved.path, n_ctx=ctx, n_seq=n_seq, n_batch=min(batch, n_seq * ctx), threads=threads) as runner:
+        tokens = runner.tokenize(src.data)
+        plan = plan_chunks(len(tokens), ctx, chunks, batch)
+        s, s2, count, secs = score(runner, tokens, plan, on_progress=on_progress, cancel=cancel)
+        ppl, err = ppl_with_error(s, s2, count)
+        evaluated = plan.n_chunk * plan.n_ctx
+        return PerplexityResult(
+            model=resolved.label, path=str(resolved.path), ppl=ppl, ppl_err=err, n_chunks=plan.n_chunk,
+            n_tokens_scored=count, n_tokens_evaluated=evaluated, tokens_per_second=evaluated / secs if secs > 0 else 0.0,
+            seconds=secs, corpus=src.label, corpus_sha256=src.sha256, ctx=ctx, batch=plan.n_batch, threads=runner.threads,
+        )
+
+
+__all__ = [
+    "PerplexityResult", "perplexity", "load_text", "Text", "LogitsRunner", "ChunkPlan", "plan_chunks",
+    "score", "LogSoftmax", "ppl_with_error", "wikitext_path", "CORPORA", "BUILTIN_CORPUS",
+]
