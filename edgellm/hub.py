@@ -273,6 +273,7 @@ def pull(
     if not target.catalog and target.filenames:
         filenames = _split_members(filenames[0], list(siblings)) if filenames[0] in siblings else filenames
     for f in filenames:
+        _check_repo_path(f)  # the listing is remote input too: its names become URLs and local paths
         if f not in siblings:
             raise ModelNotFound(f"{target.repo} has no file '{f}' at {target.revision or 'main'} (404)")
     name = target.name or _default_name(filenames[0])

@@ -16,6 +16,7 @@ warn that its losses are measured against an already-quantized base.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from dataclasses import dataclass, field
@@ -160,7 +161,9 @@ def convert(
                 writer.write_tensor_data(_convert_tensor(t, dst, target.key))
                 on_progress(Progress(task, i + 1, total, "tensor", message=t.name, rate=meter.update(i + 1)))
         except OSError as e:
-            raise QuantizeError(f"cannot write {plan.path}: {e.strerror or e}") from None
+            # numpy's short write carries no errno: on a local file that means the disk filled up
+            hint = " (disk full or a file size limit?)" if e.errno in (None, errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else ""
+            raise QuantizeError(f"cannot write {plan.path}: {e.strerror or e}{hint}") from None
         finally:
             writer.close()
         src.close()

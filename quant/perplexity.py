@@ -214,17 +214,19 @@ class LogitsRunner:
     """
 
     def __init__(self, path: Path | str, *, n_ctx: int, n_seq: int, n_batch: int, threads: Optional[int] = None) -> None:
-        from edgellm.gguf_file import read_gguf
-        from edgellm.runtime import default_threads
+        from edgellm.gguf_file import check_tensor_data, read_gguf
+        from edgellm.runtime import default_threads, silence_native_stderr
 
         self.path = Path(path)
         self.info = read_gguf(self.path)  # validate before llama.cpp sees the file
+        check_tensor_data(self.path)  # NaN/Inf weights would only yield "PPL nan"
         llama_cpp = _quiet_llama()
         self._ll = llama_cpp
         self.threads = threads or default_threads()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = 0
-        self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
+        with silence_native_stderr():
+            self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self.model:
             raise RuntimeFailure(f"llama.cpp could not load {self.path.name}")
         cp = llama_cpp.llama_context_default_params()
@@ -235,7 +237,8 @@ class LogitsRunner:
         cp.n_threads = self.threads
         cp.n_threads_batch = self.threads
         cp.no_perf = True
-        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        with silence_native_stderr():
+            self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             self.model = None

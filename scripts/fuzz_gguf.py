@@ -275,32 +275,51 @@ def verdict(code: int, stdout: str, stderr: str, exc) -> str | None:
 
 
 def run_jobs(jobs: list[dict], env: dict, *, timeout: float) -> list[dict]:
+    """Run every job; a job that kills its worker or runs past `timeout` is a problem."""
+    import queue
+    import threading
+
     results: list[dict] = []
     pending = list(jobs)
     while pending:
         proc = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=str(ROOT))
         proc.stdin.write(json.dumps(pending) + "\n")
         proc.stdin.close()
+        # A reader thread, so a run that hangs (no line ever comes) is still timed.
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: ([lines.put(ln) for ln in proc.stdout], lines.put(None)), daemon=True).start()
         current = None
         done_keys = set()
-        deadline = time.monotonic() + timeout * len(pending)
-        for line in proc.stdout:
+        hung = False
+        deadline = time.monotonic() + timeout + 30  # the first job also pays the worker's start
+        while True:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                if time.monotonic() < deadline:
+                    continue
+                hung = True
+                proc.kill()
+                break
+            if line is None:
+                break
             if line.startswith("BEGIN "):
                 current = json.loads(line[6:])
+                deadline = time.monotonic() + timeout
             elif line.startswith("END "):
                 d = json.loads(line[4:])
                 d["problem"] = verdict(d["code"], d["stdout"], d["stderr"], d["exc"])
                 results.append(d)
                 done_keys.add(tuple(d["key"]))
                 current = None
-            if time.monotonic() > deadline:
-                proc.kill()
-                break
         rc = proc.wait()
         pending = [j for j in pending if tuple(j["key"]) not in done_keys]
         if current is not None:
-            sig = f"signal {-rc}" if rc < 0 else f"worker exit {rc}"
-            results.append({"key": current, "code": rc, "stdout": "", "stderr": "", "exc": None, "problem": f"killed the process ({sig})"})
+            if hung:
+                why = f"hung (no result within {timeout:g} s)"
+            else:
+                why = f"killed the process ({f'signal {-rc}' if rc < 0 else f'worker exit {rc}'})"
+            results.append({"key": current, "code": rc, "stdout": "", "stderr": "", "exc": None, "problem": why})
             pending = [j for j in pending if j["key"] != current]
         elif pending:
             break
@@ -366,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         results = run_jobs(jobs, env, timeout=args.timeout)
         elapsed = time.monotonic() - t0
         problems = [r for r in results if r["problem"]]
-        signals = [r for r in problems if "killed" in r["problem"]]
+        signals = [r for r in problems if "killed the process" in r["problem"]]
+        hangs = [r for r in problems if r["problem"].startswith("hung")]
         summary = {
             "files": len(cases),
             "from_default_model": sum(c.source == "default" for c in cases),
@@ -374,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             "runs": len(results),
             "failures": len(problems),
             "signals": len(signals),
+            "hangs": len(hangs),
             "seconds": round(elapsed, 1),
             "problems": [{"case": cases[r["key"][0]].name, "command": r["key"][1], "problem": r["problem"], "stderr": r["stderr"][-200:]} for r in problems[:50]],
         }
@@ -381,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(summary, indent=2))
         else:
             print(f"{summary['files']} malformed files ({summary['from_default_model']} from the default model) x {len(commands)} commands = {summary['runs']} runs in {elapsed:.0f} s")
-            print(f"failures: {summary['failures']} (signals: {summary['signals']})")
+            print(f"failures: {summary['failures']} (signals: {summary['signals']}, hangs: {summary['hangs']})")
             for p in summary["problems"]:
                 print(f"  {p['case']} / {p['command']}: {p['problem']}")
         return 0 if not problems and len(results) == len(jobs) else 1
