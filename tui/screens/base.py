@@ -125,18 +125,25 @@ class BaseScreen(Screen):
 # -- the fits-in-RAM mark --------------------------------------------------------
 
 DEFAULT_CTX = 2048
-# Approximate bits per weight of whole files, for catalog entries not yet on disk.
-LEVEL_BPW = {
-    "q2_k": 3.0, "q3_k_m": 3.9, "q4_0": 4.55, "q4_1": 5.0, "q4_k_m": 4.9, "q4_k_s": 4.6, "q5_0": 5.5,
-    "q5_1": 6.0, "q5_k_m": 5.7, "q6_k": 6.6, "q8_0": 8.5, "iq4_nl": 4.6, "iq4_xs": 4.3,
-    "f16": 16.0, "bf16": 16.0, "f32": 32.0,
-}
+
+
+def level_bpw(level: str) -> float:
+    """Nominal bits per weight of a whole file at `level` (quant.levels' table),
+    for catalog entries not yet on disk."""
+    from quant.levels import LEVELS
+
+    for lv in LEVELS:
+        if lv.name.lower() == level.lower():
+            return lv.bpw
+    return 5.0
 
 
 def ram_needed(weights_bytes: int, kv_bytes: int = 0) -> int:
-    """Weights + KV cache + compute buffers/runtime (~10% + 150 MB), the same
-    rule of thumb `recommend` states; an estimate for a mark, not a promise."""
-    return int(weights_bytes * 1.10 + kv_bytes + 150e6)
+    """The core's estimate (weights + KV cache + buffers): the same rule the
+    RAM guard applies when a model loads."""
+    from edgellm.hardware import estimate_ram
+
+    return estimate_ram(weights_bytes, kv_bytes).needed_bytes
 
 
 def fits_mark(need: int, ram: int) -> str:

@@ -18,7 +18,7 @@ from edgellm.progress import Progress
 
 from ..widgets.jobbar import JobBar
 from ..widgets.modals import AskModal, ConfirmModal, ReportModal
-from .base import DEFAULT_CTX, LEVEL_BPW, BaseScreen, fits_mark, ram_needed
+from .base import DEFAULT_CTX, BaseScreen, fits_mark, level_bpw, ram_needed
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class ModelsScreen(BaseScreen):
             if e.package and e.package.level == lv:
                 size, approx = e.package.size_bytes, ""
             else:
-                size, approx = int(e.parameters * LEVEL_BPW.get(lv, 5.0) / 8), "~"
+                size, approx = int(e.parameters * level_bpw(lv) / 8), "~"
             name = Text(e.name + (" *" if e.default else ""))
             cat.add_row(name, fits_mark(ram_needed(size), ram), lv, approx + human_size(size), human_params(e.parameters), key=e.name)
         st = self.query_one("#store", DataTable)
