@@ -135,8 +135,33 @@ def test_broken_file_shows_an_error_notification(tmp_path, edgellm_home):
     assert Store().list() == []
 
 
-def test_quantize_to_q8_0_reaches_100_percent_and_a_queued_job_cancels(default_model):
+def test_quantize_to_q8_0_reaches_100_percent_and_a_queued_job_cancels(default_model, monkeypatch):
     from textual.widgets import Checkbox, DataTable, SelectionList
+
+    from tui.widgets.jobbar import JobBar
+
+    # The bar is shared by the queue: read it as each job finishes, not at the end.
+    finished: list[tuple[str, float]] = []
+    original_finish = JobBar.finish
+
+    def recording_finish(self, text, *, complete=True):
+        original_finish(self, text, complete=complete)
+        finished.append((text, self.bar.percentage))
+
+    monkeypatch.setattr(JobBar, "finish", recording_finish)
+    # Hold the first job at its start until the second is cancelled: a 135M
+    # quantize takes well under a second, faster than the pilot's key presses.
+    import threading
+
+    import quant.quantize as qq
+
+    gate, real_quantize = threading.Event(), qq.quantize
+
+    def gated(*a, **kw):
+        gate.wait(60)
+        return real_quantize(*a, **kw)
+
+    monkeypatch.setattr(qq, "quantize", gated)
 
     async def run():
         app = make(initial="quantize")
@@ -152,27 +177,28 @@ def test_quantize_to_q8_0_reaches_100_percent_and_a_queued_job_cancels(default_m
             levels.deselect_all()
             levels.select("q4_0")
             await pilot.press("a")
-            await pilot.pause()
-            jobs = sorted(scr.jobs.values(), key=lambda j: j.id)
-            assert [j.level for j in jobs] == ["q8_0", "q4_0"]
             # cancel the second job while the first runs
             table = scr.query_one("#quant-jobs", DataTable)
             table.focus()
             table.move_cursor(row=1)
+            await pilot.pause()
             await pilot.press("x")
+            jobs = sorted(scr.jobs.values(), key=lambda j: j.id)
+            assert [j.level for j in jobs] == ["q8_0", "q4_0"]
+            assert jobs[1].token.cancelled and jobs[0].status == "running"
+            gate.set()
             await wait_for(pilot, lambda: jobs[0].status in ("done", "failed", "cancelled"), 180, "the first job")
             await wait_for(pilot, lambda: jobs[1].status in ("done", "failed", "cancelled"), 30, "the second job")
             await pilot.pause(0.2)
-            bar = scr.query_one("JobBar").bar
             results = scr.query_one("#quant-results", DataTable)
             cells = [results.get_row_at(i) for i in range(results.row_count)]
             status_cells = [table.get_row_at(i)[3:] for i in range(table.row_count)]
-            return jobs, bar.percentage, cells, status_cells, app.notices
+            return jobs, cells, status_cells, app.notices
 
-    jobs, pct, cells, status_cells, notices = asyncio.run(run())
+    jobs, cells, status_cells, notices = asyncio.run(run())
     assert not [m for s, m in notices if s == "error"], notices
     assert jobs[0].status == "done" and jobs[0].pct == 100.0
-    assert pct == 1.0
+    assert (f"#{jobs[0].id} done", 1.0) in finished, finished
     assert status_cells[0] == ["done", "100%"]
     assert jobs[1].status == "cancelled" and status_cells[1][0] == "cancelled"
     assert len(cells) == 1 and cells[0][1] == "Q8_0"
