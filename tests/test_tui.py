@@ -267,3 +267,43 @@ def test_chat_streams_a_reply_and_escape_stops_one(default_model):
 @pytest.mark.parametrize("key,name", [("f1", "models"), ("f2", "quantize"), ("f3", "evaluate"), ("f4", "chat"), ("f5", "bench"), ("f6", "system")])
 def test_snapshot(snap_compare, key, name, edgellm_home):
     assert snap_compare(make(), press=[key, "_"], terminal_size=SIZE)
+
+
+def test_evaluate_screen_runs_an_evaluation_and_shows_results(tmp_path):
+    # A genuinely float tiny llama keeps this fast; the real default model's
+    # evaluation is covered in tests/test_eval.py.
+    import sys as _sys
+
+    from textual.widgets import DataTable, Input
+
+    _sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_gguf import write_tiny_llama
+
+    from edgellm.models import import_file
+
+    import_file(write_tiny_llama(tmp_path / "tiny.gguf"), name="tiny-f16")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 60, encoding="utf-8")
+
+    async def run():
+        app = make(initial="evaluate")
+        async with app.run_test(size=SIZE) as pilot:
+            scr = app.screen
+            scr.query_one("#eval-base").value = "tiny-f16"
+            scr.query_one("#eval-levels", Input).value = "q8_0,q4_0"
+            scr.query_one("#eval-text", Input).value = str(text)
+            scr.query_one("#eval-chunks", Input).value = "2"
+            await pilot.pause()
+            scr.action_run()
+            await wait_for(pilot, lambda: scr.token is None, 180, "the evaluation")
+            await pilot.pause(0.2)
+            table = scr.query_one("#eval-results", DataTable)
+            rows = [table.get_row_at(i) for i in range(table.row_count)]
+            return rows, str(scr.query_one("#eval-rec").render()), app.notices
+
+    rows, rec, notices = asyncio.run(run())
+    assert not [m for s, m in notices if s == "error"], notices
+    assert sorted(r[0] for r in rows) == ["Q4_0", "Q8_0"]
+    kld = {r[0]: float(r[4]) for r in rows}
+    assert 0 < kld["Q8_0"] < kld["Q4_0"]
+    assert rec.startswith("Recommendation:")

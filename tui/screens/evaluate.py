@@ -128,6 +128,8 @@ class EvaluateScreen(BaseScreen):
             kw: dict[str, Any] = dict(on_progress=self.progress_to(self._progress), cancel=token)
             if text:
                 kw["text"] = text
+            else:  # the placeholder promises the built-in corpus
+                kw["corpus"] = core("quant.perplexity", "BUILTIN_CORPUS")
             if chunks:
                 kw["chunks"] = chunks
             return call_with_supported(evaluate, base, levels, **kw)
