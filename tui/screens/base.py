@@ -121,6 +121,18 @@ class BaseScreen(Screen):
     def notify_error(self, e: BaseException, title: str = "") -> None:
         self.notify(one_line(e), title=title, severity="error", timeout=8)
 
+    def show_saved(self, module: str, loader: str) -> None:
+        """Show the results a core module saved earlier (bench, evaluate), if any."""
+        try:
+            saved = core(module, loader)()
+        except NotAvailable:
+            return
+        except Exception as e:
+            self.notify_error(e, "saved results")
+            return
+        if saved:
+            self.show_results(saved)  # type: ignore[attr-defined]
+
 
 # -- the fits-in-RAM mark --------------------------------------------------------
 

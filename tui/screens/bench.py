@@ -18,7 +18,7 @@ from edgellm.fsutil import human_size
 from edgellm.progress import Progress
 
 from ..widgets.jobbar import JobBar
-from .base import BaseScreen, NotAvailable, call_with_supported, core, selected_value
+from .base import BaseScreen, call_with_supported, core, selected_value
 from .quantize import _as_dict
 
 log = logging.getLogger(__name__)
@@ -78,15 +78,7 @@ class BenchScreen(BaseScreen):
 
     def action_refresh(self) -> None:
         self._refresh_models()
-        try:
-            saved = core("edgellm.profile", "load_bench_results")()
-        except NotAvailable:
-            return
-        except Exception as e:
-            self.notify_error(e, "saved results")
-            return
-        if saved:
-            self.show_results(saved)
+        self.show_saved("edgellm.profile", "load_bench_results")
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "bench-go":

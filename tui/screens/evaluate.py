@@ -18,7 +18,7 @@ from edgellm.progress import Progress
 
 from ..widgets.jobbar import JobBar
 from ..widgets.plot import ScatterPlot
-from .base import BaseScreen, NotAvailable, call_with_supported, core, selected_value
+from .base import BaseScreen, call_with_supported, core, selected_value
 from .quantize import _as_dict
 
 log = logging.getLogger(__name__)
@@ -88,16 +88,7 @@ class EvaluateScreen(BaseScreen):
 
     def action_refresh(self) -> None:
         self._refresh_bases()
-        try:
-            load = core("quant.evaluate", "load_eval_results")
-            saved = load()
-        except NotAvailable:
-            return
-        except Exception as e:
-            self.notify_error(e, "saved results")
-            return
-        if saved:
-            self.show_results(saved)
+        self.show_saved("quant.evaluate", "load_eval_results")
 
     # -- running -------------------------------------------------------------
 
