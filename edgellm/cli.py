@@ -189,6 +189,19 @@ def progress_bar(enabled: bool = True):
     return TerminalBar() if enabled else no_progress
 
 
+@contextlib.contextmanager
+def running_job(show_progress: bool = True) -> Iterator[tuple[Any, Any]]:
+    """(on_progress, cancel token) for one long job: a bar on stderr that is
+    always closed, and a token that Ctrl-C/SIGTERM set."""
+    bar = progress_bar(show_progress)
+    try:
+        with cancellable() as token:
+            yield bar, token
+    finally:
+        if hasattr(bar, "close"):
+            bar.close()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     try:
         cli.main(args=argv, prog_name="edgellm")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ..cli import cancellable, emit_json, progress_bar
+from ..cli import emit_json, running_job
 
 
 def _text_options(f):
@@ -49,14 +49,9 @@ def ppl_cmd(model, text, corpus, ctx, chunks, batch, threads, as_json, no_progre
     from quant.perplexity import perplexity
 
     _check_source(text, corpus)
-    bar = progress_bar(not no_progress and not as_json)
-    try:
-        with cancellable() as token:
-            r = perplexity(model, text=text, corpus=corpus, ctx=ctx, chunks=chunks, batch=batch, threads=threads,
-                           on_progress=bar, cancel=token)
-    finally:
-        if hasattr(bar, "close"):
-            bar.close()
+    with running_job(not no_progress and not as_json) as (bar, token):
+        r = perplexity(model, text=text, corpus=corpus, ctx=ctx, chunks=chunks, batch=batch, threads=threads,
+                       on_progress=bar, cancel=token)
     if as_json:
         emit_json(r.to_json())
         return
@@ -86,14 +81,9 @@ def eval_cmd(base, levels, text, corpus, ctx, chunks, batch, threads, as_json, n
 
     _check_source(text, corpus)
     items = [s.strip() for s in levels.split(",") if s.strip()]
-    bar = progress_bar(not no_progress and not as_json)
-    try:
-        with cancellable() as token:
-            report = evaluate(base, items, text=text, corpus=corpus, ctx=ctx, chunks=chunks, batch=batch, threads=threads,
-                              on_progress=bar, cancel=token)
-    finally:
-        if hasattr(bar, "close"):
-            bar.close()
+    with running_job(not no_progress and not as_json) as (bar, token):
+        report = evaluate(base, items, text=text, corpus=corpus, ctx=ctx, chunks=chunks, batch=batch, threads=threads,
+                          on_progress=bar, cancel=token)
     for w in report.warnings:
         click.echo(f"warning: {w}", err=True)
     if plot is not None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ..cli import cancellable, emit_json, progress_bar
+from ..cli import emit_json, running_job
 
 
 @click.group("models")
@@ -90,19 +90,13 @@ def pull_cmd(ref, level, filename, offline, force, wheel, name, revision, as_jso
         ref, level = f"{ref}:{level.lower()}", None  # a catalog name: --level is the same as NAME:LEVEL
     preflight = []
     hub_opts = {k: v for k, v in {"level": level, "filename": filename, "force": force, "name": name, "revision": revision}.items() if v}
-    bar = progress_bar(not no_progress and not as_json)
-
     def on_preflight(pf) -> None:
         preflight.append(pf)
         if not as_json:
             click.echo(f"preflight: {pf.summary()}", err=True)
 
-    with cancellable() as token:
-        try:
-            rec = models.pull(ref, wheel=wheel, offline=offline, on_progress=bar, cancel=token, on_preflight=on_preflight, **hub_opts)
-        finally:
-            if hasattr(bar, "close"):
-                bar.close()
+    with running_job(not no_progress and not as_json) as (bar, token):
+        rec = models.pull(ref, wheel=wheel, offline=offline, on_progress=bar, cancel=token, on_preflight=on_preflight, **hub_opts)
     if as_json:
         emit_json({**rec.to_json(), "preflight": preflight[0].to_json() if preflight else None})
     else:
@@ -125,8 +119,8 @@ def export_cmd(names, dest: Path, as_json: bool) -> None:
 
     from .. import bundle
 
-    with cancellable() as token:
-        folder = bundle.export_bundle(list(names), dest, on_progress=progress_bar(not as_json), cancel=token)
+    with running_job(not as_json) as (bar, token):
+        folder = bundle.export_bundle(list(names), dest, on_progress=bar, cancel=token)
     manifest = _json.loads((folder / bundle.MANIFEST).read_text(encoding="utf-8"))
     if as_json:
         emit_json({"path": str(folder), **manifest})
@@ -145,13 +139,13 @@ def import_cmd(path: Path, name, as_json: bool) -> None:
     """Import a GGUF file (validated first), or an export bundle folder."""
     from .. import models
 
-    with cancellable() as token:
+    with running_job(not as_json) as (bar, token):
         if path.is_dir():
             from .. import bundle
 
-            recs = bundle.import_bundle(path, on_progress=progress_bar(not as_json), cancel=token)
+            recs = bundle.import_bundle(path, on_progress=bar, cancel=token)
         else:
-            recs = [models.import_file(path, name=name, on_progress=progress_bar(not as_json), cancel=token)]
+            recs = [models.import_file(path, name=name, on_progress=bar, cancel=token)]
     if as_json:
         emit_json([r.to_json() for r in recs])
     else:

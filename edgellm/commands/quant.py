@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ..cli import cancellable, emit_json, progress_bar
+from ..cli import emit_json, running_job
 
 
 @click.command("quantize")
@@ -35,14 +35,9 @@ def quantize_cmd(model, levels, output, threads, allow_requantize, force, as_jso
     from quant.quantize import describe, quantize
 
     wanted = [part.strip() for text in levels for part in text.split(",") if part.strip()]
-    bar = progress_bar(not no_progress and not as_json)
-    try:
-        with cancellable() as token:
-            results = quantize(model, wanted, output=output, threads=threads, allow_requantize=allow_requantize,
-                               force=force, on_progress=bar, cancel=token)
-    finally:
-        if hasattr(bar, "close"):
-            bar.close()
+    with running_job(not no_progress and not as_json) as (bar, token):
+        results = quantize(model, wanted, output=output, threads=threads, allow_requantize=allow_requantize,
+                           force=force, on_progress=bar, cancel=token)
     if as_json:
         emit_json([r.to_json() for r in results])
         return
@@ -72,13 +67,8 @@ def convert_cmd(model, to, output, name, force, as_json, no_progress) -> None:
     from ..fsutil import human_size
     from quant.convert import convert
 
-    bar = progress_bar(not no_progress and not as_json)
-    try:
-        with cancellable() as token:
-            r = convert(model, to, output=output, name=name, force=force, on_progress=bar, cancel=token)
-    finally:
-        if hasattr(bar, "close"):
-            bar.close()
+    with running_job(not no_progress and not as_json) as (bar, token):
+        r = convert(model, to, output=output, name=name, force=force, on_progress=bar, cancel=token)
     if as_json:
         emit_json(r.to_json())
         return
