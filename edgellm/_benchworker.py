@@ -151,7 +151,9 @@ class _Threadpool:
         self.ptr = None
         self.free = None
         try:
-            libdir = Path(llama_cpp.__file__).parent / "lib"
+            # the folder llama_cpp really loaded from (LLAMA_CPP_LIB_PATH may move it): a pool made by
+            # another copy of ggml would be foreign to this context
+            libdir = Path(getattr(llama_cpp.llama_cpp, "_base_path", Path(llama_cpp.__file__).parent / "lib"))
             ext = {"darwin": "dylib", "win32": "dll"}.get(sys.platform, "so")
             cpu = ctypes.CDLL(str(next(p for p in libdir.glob(f"*ggml-cpu*.{ext}"))))
             base = ctypes.CDLL(str(next(p for p in libdir.glob(f"*ggml-base*.{ext}"))))

@@ -73,9 +73,9 @@ def atomic_path(target: Path) -> Iterator[Path]:
     tmp = partial_path(target)
     try:
         yield tmp
-        _fsync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, target)
-        _fsync(target.parent)
+        fsync_path(target.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -94,7 +94,7 @@ def atomic_write_text(target: Path, text: str) -> None:
         fh.write(text)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     # On a folder this makes a rename durable; not supported everywhere (Windows).
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)

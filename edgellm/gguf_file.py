@@ -95,9 +95,42 @@ class GGUFInfo:
         }
 
 
+def gguf_constants():
+    """gguf-py's type tables (`gguf.constants`), without the rest of gguf-py.
+
+    `import gguf` also imports numpy and gguf-py's reader and writer: ~0.2 s
+    that every validation would pay before its first byte. constants.py
+    itself needs only the standard library, so it is loaded on its own under
+    its real name; a later `import gguf` then reuses this very module (same
+    enums), as the import system finds it in sys.modules.
+    """
+    import sys
+
+    mod = sys.modules.get("gguf.constants")
+    if mod is not None:
+        return mod
+    import importlib.util
+
+    spec = importlib.util.find_spec("gguf")
+    origin = Path(spec.origin) if spec is not None and spec.origin else None
+    if origin is None or not (origin.parent / "constants.py").is_file():
+        import gguf.constants  # an unusual layout: the plain import still works
+
+        return gguf.constants
+    cspec = importlib.util.spec_from_file_location("gguf.constants", origin.parent / "constants.py")
+    mod = importlib.util.module_from_spec(cspec)
+    sys.modules["gguf.constants"] = mod
+    try:
+        cspec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules["gguf.constants"]
+        raise
+    return mod
+
+
 def file_type_name(ftype: int) -> str:
     """llama.cpp's file type number → lowercase level name ("q4_k_m")."""
-    from gguf import LlamaFileType
+    LlamaFileType = gguf_constants().LlamaFileType
 
     try:
         name = LlamaFileType(ftype).name
@@ -171,7 +204,9 @@ def _parse(path: Path, size: int, *, raw: bool = False) -> _Parsed:
     import mmap
     import struct
 
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    consts = gguf_constants()
+    GGML_QUANT_SIZES, GGMLQuantizationType = consts.GGML_QUANT_SIZES, consts.GGMLQuantizationType
+    unpack_u64 = struct.Struct("<Q").unpack_from
 
     out = _Parsed()
     with open(path, "rb") as fh:
@@ -259,8 +294,18 @@ def _parse(path: Path, size: int, *, raw: bool = False) -> _Parsed:
                     keep = count <= _KEEP_ARRAYS
                     blobs = [raw_string(key) for _i in range(count)] if (keep or raw) else None
                     if blobs is None:
+                        # only counted (vocabularies, merges: 10^5 strings): walked in a tight
+                        # loop, the same checks as raw_string without its call overhead
+                        p = pos
                         for _i in range(count):
-                            raw_string(key)
+                            if p + 8 > size:
+                                need(p + 8 - pos, key)
+                            n = unpack_u64(mm, p)[0]
+                            if n > _MAX_STR:
+                                raise GGUFError(f"{path.name}: {key} claims a string of {n} bytes")
+                            p += 8 + n
+                        need(p - pos, key)
+                        pos = p
                     if keep:
                         out.fields[key] = [b.decode("utf-8", "replace") for b in blobs]
                     if raw:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from edgellm.errors import UsageError
+from edgellm.gguf_file import gguf_constants
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,10 @@ class Level:
     @property
     def block_size(self) -> int:
         """ggml block size of `base_type` (rows must be a multiple of it)."""
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        c = gguf_constants()
 
         try:
-            return GGML_QUANT_SIZES[GGMLQuantizationType[self.base_type]][0]
+            return c.GGML_QUANT_SIZES[c.GGMLQuantizationType[self.base_type]][0]
         except KeyError:
             return QK_K
 
@@ -63,9 +64,7 @@ class Level:
     def readable(self) -> bool:
         """Whether the installed gguf-py knows the tensor type, so the output
         can be validated before anything loads it."""
-        from gguf import GGMLQuantizationType
-
-        return self.base_type in GGMLQuantizationType.__members__
+        return self.base_type in gguf_constants().GGMLQuantizationType.__members__
 
     def to_json(self) -> dict:
         return {
@@ -162,10 +161,10 @@ def level_for_ftype(ftype: Optional[int]) -> Optional[Level]:
 
 def type_bpw(ggml_type: str) -> float:
     """Bits per weight of one ggml tensor type ("Q5_0" → 5.5)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    c = gguf_constants()
 
     try:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type.upper()]]
+        block, size = c.GGML_QUANT_SIZES[c.GGMLQuantizationType[ggml_type.upper()]]
     except KeyError:
         return 32.0
     return size * 8 / block

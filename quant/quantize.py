@@ -13,6 +13,14 @@ cancel, survives a llama.cpp abort, validates the finished file with
 `read_gguf` and only then renames and registers it. A killed parent takes the
 child with it (PDEATHSIG) and its temp file is removed at the next start.
 
+Several levels run two at a time, each worker getting half of `threads`:
+llama_model_quantize keeps two threads busy only ~60% of the time (one
+thread reads, converts and writes between the parallel parts), so two
+levels side by side finish four levels in ~0.7x the time of one after
+another with the same total threads, byte for byte the same files
+(docs/quantize.md). A finished level is validated, hashed and registered on
+a separate thread while the workers go on.
+
 Fallbacks: K- and most i-quants pack 256 values per block. A tensor whose
 rows are not a multiple of 256 (SmolLM2-135M is 576 wide: 180 of its 272
 tensors) is stored by llama.cpp in a 32-block type instead (Q4_K → Q5_0,
@@ -33,13 +41,13 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from edgellm.errors import BackendCrash, Cancelled, GGUFError, QuantizeError, UsageError
-from edgellm.fsutil import atomic_path, check_free_disk, human_size, sha256_file
+from edgellm.fsutil import check_free_disk, fsync_path, human_size, partial_path, sha256_file
 from edgellm.gguf_file import GGUFInfo, read_gguf
 from edgellm.models import Resolved, resolve
 from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
@@ -116,6 +124,20 @@ class _Run:
     tail: deque = field(default_factory=lambda: deque(maxlen=40))
 
 
+@dataclass
+class _Job:
+    """One level on its way through a worker."""
+
+    index: int  # position in the caller's list of levels: results come back in that order
+    level: Level
+    plan: OutputPlan
+    tmp: Path
+    threads: int
+    t0: float
+    run: _Run = field(default_factory=_Run)
+    done: int = 0  # tensors llama.cpp has finished
+
+
 def quantize(
     model_ref_or_path: str | Path,
     levels: Sequence[str] | str,
@@ -124,18 +146,24 @@ def quantize(
     threads: Optional[int] = None,
     allow_requantize: bool = False,
     force: bool = False,
+    jobs: Optional[int] = None,
     store: Optional[Store] = None,
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
 ) -> list[QuantizeResult]:
     """Quantize a model to each of `levels` ("q4_k_m", "Q8_0", ...); one result per level.
 
+    `threads` is the total for llama.cpp; `jobs` how many levels run side by
+    side, sharing those threads (default: 2 when there are several levels,
+    at least 2 threads and RAM for both; 1 runs them one after another).
+
     Outputs go to `<models>/<name>/<name>.gguf` with `name` the input's name
     with its level suffix swapped (`smollm2-135m-instruct-q4_k_m`). `output`
     is a file path (one level) or a folder. Every level is checked (known,
     no importance matrix needed, not the input's own type, output free or
     `force`, disk space) before the first one starts; levels then run in
-    order, and each finished level stays registered if a later one fails.
+    order (two at a time, see `jobs`), and each finished level stays
+    registered if another one fails. Results come back in the order asked.
 
     Raises UsageError (unknown level, no level, -o file with several levels),
     ModelNotFound, GGUFError, QuantizeError (importance matrix needed, same
@@ -155,19 +183,35 @@ def quantize(
             wanted.append(lv)
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1, not {threads}")
+    if jobs is not None and jobs < 1:
+        raise UsageError(f"--jobs must be at least 1, not {jobs}")
     nthread = threads or _default_threads()
-    worker = _Worker()
+    n_slots = min(len(wanted), nthread, jobs if jobs is not None else MAX_JOBS)
+    # started before the checks, so their start-up is not on the critical path
+    events: queue.Queue = queue.Queue()
+    workers = [_Worker(events, n) for n in _split(nthread, n_slots)]
     try:
-        return _quantize_all(model_ref_or_path, wanted, worker, output=output, nthread=nthread, allow_requantize=allow_requantize,
-                             force=force, store=store, on_progress=on_progress, cancel=cancel)
+        return _quantize_all(model_ref_or_path, wanted, workers, events, output=output, nthread=nthread,
+                             allow_requantize=allow_requantize, force=force, store=store, on_progress=on_progress,
+                             cancel=cancel)
     finally:
-        worker.close()
+        for w in workers:
+            w.close()
+
+
+MAX_JOBS = 2  # more side-by-side levels only multiply llama.cpp's buffers: two fill the idle thread
+
+
+def _split(nthread: int, n: int) -> list[int]:
+    """`nthread` threads over `n` workers, the first ones getting the remainder."""
+    return [nthread // n + (1 if i < nthread % n else 0) for i in range(n)]
 
 
 def _quantize_all(
     model_ref_or_path: str | Path,
     wanted: list[Level],
-    worker: "_Worker",
+    workers: list["_Worker"],
+    events: queue.Queue,
     *,
     output: Optional[Path | str],
     nthread: int,
@@ -199,14 +243,32 @@ def _quantize_all(
         check_free_disk(folder, n, what=f"quantizing {label} to {', '.join(lv.key for lv in wanted)}")
     for w in warnings:
         log.warning("%s", w)
+    if len(workers) > 1 and not _fits_side_by_side(info, len(workers)):
+        log.info("not enough free RAM for %d levels side by side: one at a time", len(workers))
+        for w in workers[1:]:
+            w.close()
+        del workers[1:]
+        workers[0].threads = nthread
+    if cancel is not None:
+        cancel.check()
+    return _run_levels(resolved, info, list(zip(wanted, plans)), workers, events, nthread=nthread,
+                       allow_requantize=allow_requantize, warnings=warnings, store=store, on_progress=on_progress,
+                       cancel=cancel)
 
-    results = []
-    for lv, plan in zip(wanted, plans):
-        if cancel is not None:
-            cancel.check()
-        results.append(_quantize_one(worker, resolved, info, lv, plan, nthread=nthread, allow_requantize=allow_requantize,
-                                     warnings=warnings, store=store, on_progress=on_progress, cancel=cancel))
-    return results
+
+def _fits_side_by_side(info: GGUFInfo, n: int) -> bool:
+    """Whether n llama_model_quantize calls fit in free RAM at once.
+
+    Each holds its largest tensor as F32 (plus the input and output copies of
+    it) while working on it; the weights themselves are mmapped and shared.
+    The largest is the token embedding in practice (vocab x width), else a
+    layer's share of the weights.
+    """
+    from edgellm.hardware import available_ram
+
+    largest = max(info.vocab_size * info.embedding_length, info.parameters // max(1, 4 * info.block_count))
+    per_job = largest * (4 + 2 + 2) + (64 << 20)
+    return available_ram() > n * per_job + (512 << 20)
 
 
 def _default_threads() -> int:
@@ -263,12 +325,12 @@ def estimate_size(info: GGUFInfo, lv: Level) -> int:
     return int(meta + embd * max(bits, 8.5) / 8 + rest * bits / 8 * 1.02)
 
 
-def _quantize_one(
-    worker: "_Worker",
+def _run_levels(
     resolved: Resolved,
     info: GGUFInfo,
-    lv: Level,
-    plan: OutputPlan,
+    todo: list[tuple[Level, OutputPlan]],
+    workers: list["_Worker"],
+    events: queue.Queue,
     *,
     nthread: int,
     allow_requantize: bool,
@@ -276,24 +338,129 @@ def _quantize_one(
     store: Store,
     on_progress: ProgressCallback,
     cancel: Optional[CancelToken],
+) -> list[QuantizeResult]:
+    """Feed the levels to the workers; finish each one on a side thread as it completes."""
+    per_level = info.tensor_count
+    total = per_level * len(todo)
+    task = f"quantize {resolved.label} -> {', '.join(lv.key for lv, _p in todo)}"
+    # slowest first, so that the last level to finish is a short one and no
+    # worker idles long at the end (K- and i-quants search; the rest just round)
+    pending = deque(sorted(range(len(todo)), key=lambda i: -_cost(todo[i][0])))
+    active: dict[_Worker, _Job] = {}
+    finishing: dict[int, Future] = {}
+    finished_tensors = 0
+    meter = RateMeter()
+    finisher = ThreadPoolExecutor(1, thread_name_prefix="quantize-finish")
+
+    def start(worker: _Worker) -> None:
+        index = pending.popleft()
+        lv, plan = todo[index]
+        job = _Job(index, lv, plan, partial_path(plan.path), worker.threads, time.perf_counter())
+        worker.submit({"input": str(resolved.path), "output": str(job.tmp), "ftype": lv.ftype,
+                       "nthread": worker.threads, "allow_requantize": allow_requantize})
+        active[worker] = job
+
+    def report(message: str) -> None:
+        done = finished_tensors + sum(j.done for j in active.values())
+        on_progress(Progress(task, done, total, "tensor", message=message, rate=meter.update(done)))
+
+    on_progress(Progress(task, 0, total, "tensor", message="loading"))
+    try:
+        for w in workers:
+            if pending:
+                start(w)
+        while active:
+            if cancel is not None and cancel.cancelled:
+                raise Cancelled(cancel.reason)
+            for f in finishing.values():
+                if f.done() and f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+            try:
+                worker, raw = events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            job = active.get(worker)
+            if job is None:
+                continue
+            if raw is None:
+                raise worker.death(job)
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                continue
+            if "log" in msg:
+                tensor = _parse_log(job.run, msg["log"])
+                if tensor is not None:
+                    job.done = min(tensor[0], per_level)
+                    report(f"{job.level.key}: {tensor[1]}")
+            elif "done" in msg:
+                job.run.rc, job.run.seconds = int(msg["done"]), float(msg.get("seconds", 0.0))
+                if job.run.rc != 0:
+                    raise _llama_failure(job, worker)
+                del active[worker]
+                finished_tensors += per_level
+                finishing[job.index] = finisher.submit(
+                    _finish, job, resolved=resolved, info=info, nthread=nthread, warnings=warnings, store=store,
+                    cancel=cancel)
+                if pending:
+                    start(worker)
+                report(f"{job.level.key}: written")
+        results = [finishing[i].result() for i in sorted(finishing)]
+    except BaseException:
+        for w in workers:
+            w.kill()
+        for job in active.values():
+            job.tmp.unlink(missing_ok=True)
+        # a level llama.cpp already finished is still validated and registered (as
+        # when levels ran one after another), unless this is a cancel, which stops
+        # its hashing too; then the error goes up
+        finisher.shutdown(wait=True)
+        raise
+    finisher.shutdown(wait=True)
+    on_progress(Progress(task, total, total, "tensor", message="done"))
+    return results
+
+
+def _cost(lv: Level) -> float:
+    """Relative llama_model_quantize time of a level (for ordering only)."""
+    if lv.is_float:
+        return 0.5
+    return 3.0 if lv.base_type.endswith("_K") or lv.base_type.startswith("IQ") else 1.0
+
+
+def _finish(
+    job: _Job,
+    *,
+    resolved: Resolved,
+    info: GGUFInfo,
+    nthread: int,
+    warnings: list[str],
+    store: Store,
+    cancel: Optional[CancelToken],
 ) -> QuantizeResult:
-    t0 = time.perf_counter()
-    task = f"quantize {resolved.label} -> {lv.key}"
-    with atomic_path(plan.path) as tmp:
-        run = worker.run(resolved.path, tmp, lv, nthread=nthread, allow_requantize=allow_requantize,
-                         total=info.tensor_count, task=task, on_progress=on_progress, cancel=cancel)
-        # hashing (hashlib drops the GIL) overlaps the validation
-        with ThreadPoolExecutor(1) as pool:
+    """Validate, hash and sync one finished temp file, rename it into place and register it."""
+    lv, plan, tmp = job.level, job.plan, job.tmp
+    try:
+        # hashing (hashlib drops the GIL) and the fsync overlap the validation
+        with ThreadPoolExecutor(2) as pool:
             hashing = pool.submit(sha256_file, tmp, cancel=cancel)
+            syncing = pool.submit(fsync_path, tmp)
             try:
                 out = read_gguf(tmp)
             except GGUFError as e:
                 raise QuantizeError(f"llama.cpp wrote an invalid {lv.key} file: {e}") from None
             finally:
                 sha = hashing.result()
+                syncing.result()
         if out.tensor_count != info.tensor_count:
             raise QuantizeError(f"the {lv.key} file has {out.tensor_count} tensors, the input {info.tensor_count}")
+        os.replace(tmp, plan.path)
+        fsync_path(plan.path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
+    run = job.run
     fallback_types = Counter(f"{src.upper()}->{dst.upper()}" for _n, _c, _b, src, dst in run.fallbacks)
     n_fallback = run.n_fallback if run.n_fallback is not None else len(run.fallbacks)
     extra: dict[str, Any] = {
@@ -313,10 +480,17 @@ def _quantize_one(
     return QuantizeResult(
         name=rec.name, level=out.level, path=plan.path, size_bytes=out.size_bytes, bpw=out.bpw,
         tensor_types=out.tensor_types, fallback_tensors=n_fallback, tensor_count=out.tensor_count,
-        seconds=time.perf_counter() - t0, quantize_seconds=run.seconds, fallbacks=dict(fallback_types),
+        seconds=time.perf_counter() - job.t0, quantize_seconds=run.seconds, fallbacks=dict(fallback_types),
         fallback_reason=_fallback_reason(run, n_fallback, out.tensor_count, lv), input_level=info.level,
-        parent=rec.parent, sha256=sha, threads=nthread, warnings=list(warnings), record=rec,
+        parent=rec.parent, sha256=sha, threads=job.threads, warnings=list(warnings), record=rec,
     )
+
+
+def _llama_failure(job: _Job, worker: "_Worker") -> QuantizeError:
+    reason = job.run.error or _last_words(job.run, worker.stderr_tail)
+    if "iostream error" in reason or "failbit" in reason:
+        reason = f"could not write {job.tmp.parent} (disk full or a file size limit?) [{reason}]"
+    return QuantizeError(f"llama.cpp could not quantize to {job.level.key}: {reason}")
 
 
 def _fallback_reason(run: _Run, n: int, total: int, lv: Level) -> str:
@@ -342,11 +516,13 @@ def _worker_env() -> dict[str, str]:
 
 
 class _Worker:
-    """The worker process (quant/_quantize_worker.py), started before the
-    parent's own checks so its start-up is not on the critical path, and
-    reused for every level of one `quantize()` call."""
+    """One worker process (quant/_quantize_worker.py) with its share of the
+    threads; it runs one level at a time, as many as it is given. Its output
+    lines go to the shared `events` queue as (worker, line), None at EOF."""
 
-    def __init__(self) -> None:
+    def __init__(self, events: queue.Queue, threads: int) -> None:
+        self.events = events
+        self.threads = threads
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", _WORKER, str(os.getpid())],
@@ -354,7 +530,6 @@ class _Worker:
             )
         except OSError as e:
             raise QuantizeError(f"cannot start the quantization worker: {e.strerror or e}") from None
-        self.lines: queue.Queue = queue.Queue()
         self.stderr_tail: deque = deque(maxlen=20)
         self.readers = [threading.Thread(target=self._pump_stdout, daemon=True),
                         threading.Thread(target=self._pump_stderr, daemon=True)]
@@ -363,12 +538,19 @@ class _Worker:
 
     def _pump_stdout(self) -> None:
         for raw in self.proc.stdout:  # type: ignore[union-attr]
-            self.lines.put(raw)
-        self.lines.put(None)
+            self.events.put((self, raw))
+        self.events.put((self, None))
 
     def _pump_stderr(self) -> None:
         for raw in self.proc.stderr:  # type: ignore[union-attr]
             self.stderr_tail.append(raw.decode("utf-8", "replace").rstrip())
+
+    def submit(self, job: dict[str, Any]) -> None:
+        try:
+            self.proc.stdin.write((json.dumps(job) + "\n").encode())  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+        except OSError:
+            pass  # it died; its EOF says how
 
     def close(self) -> None:
         """Stop the worker. Between jobs it holds nothing worth a graceful exit
@@ -384,84 +566,36 @@ class _Worker:
             self.proc.kill()
             self.proc.wait()
 
-    def run(
-        self,
-        src: Path,
-        tmp: Path,
-        lv: Level,
-        *,
-        nthread: int,
-        allow_requantize: bool,
-        total: int,
-        task: str,
-        on_progress: ProgressCallback,
-        cancel: Optional[CancelToken],
-    ) -> _Run:
-        """Run llama_model_quantize in the worker; stream its log into progress."""
-        job = {"input": str(src), "output": str(tmp), "ftype": lv.ftype, "nthread": nthread, "allow_requantize": allow_requantize}
-        run = _Run()
-        meter = RateMeter()
-        on_progress(Progress(task, 0, total, "tensor", message="loading"))
-        try:
+    def death(self, job: _Job) -> Exception:
+        """The error for a worker that ended in the middle of `job`."""
+        self.proc.wait()
+        rc = self.proc.returncode
+        for r in self.readers:
+            r.join(timeout=2)
+        words = _last_words(job.run, self.stderr_tail)
+        if rc is not None and rc < 0:
+            import signal as _signal
+
             try:
-                self.proc.stdin.write((json.dumps(job) + "\n").encode())  # type: ignore[union-attr]
-                self.proc.stdin.flush()  # type: ignore[union-attr]
-            except OSError:
-                pass  # it died; the EOF below says how
-            while run.rc is None:
-                if cancel is not None and cancel.cancelled:
-                    raise Cancelled(cancel.reason)
-                try:
-                    raw = self.lines.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                if raw is None:
-                    break
-                try:
-                    msg = json.loads(raw)
-                except ValueError:
-                    continue
-                if "done" in msg:
-                    run.rc, run.seconds = int(msg["done"]), float(msg.get("seconds", 0.0))
-                elif "log" in msg:
-                    _parse_log(run, msg["log"], task=task, total=total, meter=meter, on_progress=on_progress)
-        except BaseException:
-            self.kill()
-            raise
-        if run.rc is None:
-            self.proc.wait()
-            rc = self.proc.returncode
-            for r in self.readers:
-                r.join(timeout=2)
-            if rc is not None and rc < 0:
-                import signal as _signal
-
-                try:
-                    sig = _signal.Signals(-rc).name
-                except ValueError:
-                    sig = f"signal {-rc}"
-                raise BackendCrash(f"llama.cpp died ({sig}) while quantizing to {lv.key}: {_last_words(run, self.stderr_tail)}")
-            raise QuantizeError(f"the quantization worker failed (exit {rc}): {_last_words(run, self.stderr_tail)}")
-        if run.rc != 0:
-            reason = run.error or _last_words(run, self.stderr_tail)
-            if "iostream error" in reason or "failbit" in reason:
-                reason = f"could not write {tmp.parent} (disk full or a file size limit?) [{reason}]"
-            raise QuantizeError(f"llama.cpp could not quantize to {lv.key}: {reason}")
-        on_progress(Progress(task, total, total, "tensor", message="done"))
-        return run
+                sig = _signal.Signals(-rc).name
+            except ValueError:
+                sig = f"signal {-rc}"
+            return BackendCrash(f"llama.cpp died ({sig}) while quantizing to {job.level.key}: {words}")
+        return QuantizeError(f"the quantization worker failed (exit {rc}): {words}")
 
 
-def _parse_log(run: _Run, line: str, *, task: str, total: int, meter: RateMeter, on_progress: ProgressCallback) -> None:
+def _parse_log(run: _Run, line: str) -> Optional[tuple[int, str]]:
+    """Note what a llama.cpp log line says; (tensors done, tensor name) for a per-tensor line."""
     run.tail.append(line)
     if m := _FAILED_RE.search(line):  # may share a line with the tensor it failed on
         run.error = m.group(1).strip()
     if m := _TENSOR_RE.match(line):
-        done, n = int(m.group(1)), int(m.group(2))
-        on_progress(Progress(task, done, n or total, "tensor", message=m.group(3), rate=meter.update(done)))
-    elif m := _FALLBACK_RE.search(line):
+        return int(m.group(1)), m.group(3)
+    if m := _FALLBACK_RE.search(line):
         run.fallbacks.append((m.group(1), int(m.group(2)), int(m.group(3)), m.group(4), m.group(5)))
     elif m := _N_FALLBACK_RE.search(line):
         run.n_fallback = int(m.group(1))
+    return None
 
 
 def _last_words(run: _Run, stderr_tail: deque) -> str:

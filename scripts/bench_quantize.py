@@ -1,22 +1,28 @@
 #!/usr/bin/env python3
 """edgellm quantize vs llama.cpp's llama-quantize: speed and identical output.
 
-Both sides quantize the same F16 GGUF with the same thread count, one level
-per call, `--runs` times per level, alternating which goes first so drift in
-machine load hits both alike. Reported per level: median wall seconds of
+Both sides quantize the same F16 GGUF with the same total thread count,
+`--runs` times, alternating which goes first so drift in machine load hits
+both alike. Two comparisons, each a ratio of medians against llama-quantize
+(built from the same vendored llama.cpp with the same CPU flags by
+scripts/build_llama_tools.sh; goal <= 1.03):
 
-  llama-quantize   the tool built from the same vendored llama.cpp with the
-                   same CPU flags (scripts/build_llama_tools.sh)
-  llama_model_quantize call   the same C call inside edgellm's worker (the
-                   engine alone, without edgellm's checks around it)
-  edgellm API      quant.quantize.quantize(): worker process, llama.cpp,
-                   validation, sha256, store registration
-  edgellm CLI      `python -m edgellm.cli quantize ...` end to end (adds the
-                   interpreter and CLI start-up)
+  four levels (the headline)
+      llama-quantize once per level, one after another (a shell loop), vs
+      ONE `edgellm quantize IN -l q4_0 -l q4_k_m -l q5_k_m -l q8_0` CLI call,
+      which runs two levels side by side on half the threads each
 
-and the ratio of medians against llama-quantize (goal: <= 1.03). It also
-checks that edgellm's file is byte-identical to llama-quantize's (or at least
-tensor-identical) for every level.
+  one level per call, per level
+      llama-quantize   the tool
+      llama_model_quantize call   the same C call inside edgellm's worker
+                       (the engine alone, without edgellm's checks)
+      edgellm API      quant.quantize.quantize(): worker process, llama.cpp,
+                       validation, sha256, fsync, store registration
+      edgellm CLI      `python -m edgellm.cli quantize ...` end to end (adds
+                       the interpreter and CLI start-up)
+
+Every edgellm file must be byte-identical to llama-quantize's (or at least
+tensor-identical); the script exits 1 if one is not.
 
     .venv/bin/python scripts/bench_quantize.py                 # F16 of the default model
     .venv/bin/python scripts/bench_quantize.py --input model-f16.gguf --threads 2 --runs 3
@@ -78,7 +84,6 @@ def main() -> int:
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-quantize-"))
     os.environ["EDGELLM_HOME"] = str(scratch / "home")
-    from edgellm.fsutil import sha256_file
     from edgellm.runtime import default_threads
     from quant.levels import parse_level
     from quant.quantize import quantize
@@ -115,6 +120,38 @@ def main() -> int:
             sys.exit(f"edgellm quantize failed: {p.stderr[-500:]}")
         return dt
 
+    def run_tool_all(outs: dict[str, Path]) -> float:
+        return sum(run_tool(lv, outs[lv.key]) for lv in levels)
+
+    def run_cli_all(folder: Path) -> tuple[float, dict[str, Path]]:
+        folder.mkdir(exist_ok=True)
+        cmd = [sys.executable, "-m", "edgellm.cli", "quantize", str(src), *[a for lv in levels for a in ("-l", lv.key)],
+               "-o", str(folder), "--threads", str(threads), "--force", "--json", "--no-progress"]
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        dt = time.perf_counter() - t0
+        if p.returncode != 0:
+            sys.exit(f"edgellm quantize failed: {p.stderr[-500:]}")
+        return dt, {o["level"]: Path(o["path"]) for o in json.loads(p.stdout)}
+
+    # the headline: all levels, llama-quantize one after another vs one edgellm call
+    refs = {lv.key: scratch / f"ref-{lv.key}.gguf" for lv in levels}
+    all_times: dict[str, list[float]] = {"llama-quantize": [], "cli": []}
+    cli_files: dict[str, Path] = {}
+    for i in range(args.runs):
+        for key in (("llama-quantize", "cli") if i % 2 == 0 else ("cli", "llama-quantize")):
+            if key == "cli":
+                dt, cli_files = run_cli_all(scratch / "all")
+            else:
+                dt = run_tool_all(refs)
+            all_times[key].append(dt)
+    all_med = {k: statistics.median(v) for k, v in all_times.items()}
+    all_same = {lv.key: _identical(cli_files[lv.key], refs[lv.key]) for lv in levels}
+    print(f"{len(levels)} levels  llama-quantize one after another {all_med['llama-quantize']:6.2f} s   "
+          f"one edgellm CLI call {all_med['cli']:6.2f} s (x{all_med['cli'] / all_med['llama-quantize']:.3f}, goal <= 1.03)   "
+          f"runs: {' '.join(f'{x:.2f}' for x in all_times['llama-quantize'])} vs {' '.join(f'{x:.2f}' for x in all_times['cli'])}   "
+          f"outputs identical: {', '.join(f'{k} {v}' for k, v in all_same.items())}", flush=True)
+
     rows = []
     for lv in levels:
         ref, api_out, cli_out = scratch / f"ref-{lv.key}.gguf", scratch / f"api-{lv.key}.gguf", scratch / f"cli-{lv.key}.gguf"
@@ -126,8 +163,8 @@ def main() -> int:
                 times[key].append(fn(lv, out))
         times["core"] = core[lv.key]
         med = {k: statistics.median(v) for k, v in times.items()}
-        same = sha256_file(api_out) == sha256_file(ref) == sha256_file(cli_out)
-        identical = "bytes" if same else ("tensors" if tensors_equal(api_out, ref) else "DIFFERENT")
+        a, c = _identical(api_out, ref), _identical(cli_out, ref)
+        identical = "DIFFERENT" if "DIFFERENT" in (a, c) else ("tensors" if "tensors" in (a, c) else "bytes")
         rows.append({"level": lv.key, "median_s": med, "runs_s": times, "ratio_api": med["api"] / med["llama-quantize"],
                      "ratio_cli": med["cli"] / med["llama-quantize"], "ratio_core": med["core"] / med["llama-quantize"],
                      "identical": identical,
@@ -142,11 +179,23 @@ def main() -> int:
           f"(x{tot['core'] / tot['llama-quantize']:.3f})   edgellm API {tot['api']:6.2f} s "
           f"(x{tot['api'] / tot['llama-quantize']:.3f})   edgellm CLI {tot['cli']:6.2f} s (x{tot['cli'] / tot['llama-quantize']:.3f})   goal <= 1.03")
     if args.json:
-        print(json.dumps({"threads": threads, "runs": args.runs, "input": str(src), "levels": rows}, indent=1))
+        print(json.dumps({"threads": threads, "runs": args.runs, "input": str(src), "levels": rows,
+                          "all_levels": {"runs_s": all_times, "median_s": all_med,
+                                         "ratio_cli": all_med["cli"] / all_med["llama-quantize"],
+                                         "identical": all_same}}, indent=1))
     import shutil
 
     shutil.rmtree(scratch, ignore_errors=True)
-    return 0 if all(r["identical"] != "DIFFERENT" for r in rows) else 1
+    ok = all(r["identical"] != "DIFFERENT" for r in rows) and "DIFFERENT" not in all_same.values()
+    return 0 if ok else 1
+
+
+def _identical(a: Path, b: Path) -> str:
+    from edgellm.fsutil import sha256_file
+
+    if sha256_file(a) == sha256_file(b):
+        return "bytes"
+    return "tensors" if tensors_equal(a, b) else "DIFFERENT"
 
 
 if __name__ == "__main__":

@@ -4,15 +4,21 @@
 # llama-cpp-python sdist, with the same CPU flags as the Python bindings.
 # That makes them the fair baseline for every ratio edgellm publishes.
 #
-# Cached under $EDGELLM_CACHE/llama-tools/<version>-<flags key>/bin; prints
-# that bin folder on stdout. Idempotent: a finished build is reused.
+# They are built with shared libraries (llama.cpp's own default, and how
+# llama-cpp-python builds the libllama/libggml that edgellm calls): a static
+# build runs pp512 a few percent faster here (docs/bench.md), so a static
+# baseline would measure the linking, not edgellm. The libraries sit beside
+# the tools (RUNPATH $ORIGIN), so the bin folder can be used where it is.
+#
+# Cached under $EDGELLM_CACHE/llama-tools/<version>-<flags key>-shared/bin;
+# prints that bin folder on stdout. Idempotent: a finished build is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_cpu_flags.sh
 
 ARGS="$(edgellm_cmake_args "${EDGELLM_GPU:-}")"
 KEY="$(edgellm_flags_key "$ARGS")"
-OUT="$EDGELLM_CACHE/llama-tools/$LLAMA_CPP_PYTHON_VERSION-$KEY"
+OUT="$EDGELLM_CACHE/llama-tools/$LLAMA_CPP_PYTHON_VERSION-$KEY-shared"
 TOOLS="llama-bench llama-perplexity llama-quantize"
 
 have_all() { for t in $TOOLS; do [ -x "$OUT/bin/$t" ] || return 1; done; }
@@ -38,12 +44,13 @@ rm -rf "$BUILD"
 say "configuring with: $ARGS"
 # LLAVA_BUILD is a llama-cpp-python option, meaningless here; drop it.
 cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
-    -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_RPATH='$ORIGIN' -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF ${ARGS//-DLLAVA_BUILD=OFF/} >&2
 say "building $TOOLS ($(nproc) jobs; a few minutes)"
 cmake --build "$BUILD" --config Release -j "$(nproc)" --target $TOOLS >&2
 mkdir -p "$OUT/bin.partial"
 for t in $TOOLS; do cp "$BUILD/bin/$t" "$OUT/bin.partial/"; done
+cp -a "$BUILD"/bin/*.so* "$OUT/bin.partial/"  # the libraries, symlinks kept
 rm -rf "$OUT/bin" && mv "$OUT/bin.partial" "$OUT/bin"
 rm -rf "$BUILD"
 echo "$OUT/bin"

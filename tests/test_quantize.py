@@ -102,20 +102,22 @@ def test_kill9_mid_quantize_leaves_nothing_and_rerun_succeeds(cli, f16_model, ed
     import psutil
 
     before = store_snapshot(edgellm_home)
-    proc = start_cli("quantize", F16_NAME, "--level", "q8_0", "--threads", "1", "--no-progress")
+    # two levels: they run side by side, one worker process each
+    proc = start_cli("quantize", F16_NAME, "--level", "q8_0", "--level", "q5_k_m", "--threads", "2", "--no-progress")
     partial = wait_for_partial(edgellm_home / "models", proc, min_bytes=1 << 20)
     workers = psutil.Process(proc.pid).children(recursive=True)
-    assert workers, "the quantization runs in a child process"
+    assert len(workers) == 2, "each level runs in a child process of its own"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     gone, alive = psutil.wait_procs(workers, timeout=10)
-    assert not alive, "the worker must die with its parent"
+    assert not alive, "the workers must die with their parent"
     assert partial.name.endswith(".partial")
     # the next start removes the dead job's temp file; nothing was registered
     res = cli("models", "list", "--json")
     assert res.exit_code == 0
     assert not list(edgellm_home.rglob("*.partial"))
-    assert "smollm2-135m-instruct-q8_0" not in {m["name"] for m in res.json()["models"]}
+    names = {m["name"] for m in res.json()["models"]}
+    assert not names & {"smollm2-135m-instruct-q8_0", "smollm2-135m-instruct-q5_k_m"}
     assert store_snapshot(edgellm_home) == before
     res = cli("quantize", F16_NAME, "--level", "q8_0", "--threads", "2", "--json")
     assert res.exit_code == 0, res
@@ -124,7 +126,7 @@ def test_kill9_mid_quantize_leaves_nothing_and_rerun_succeeds(cli, f16_model, ed
 
 def test_sigterm_cancels_cleanly(f16_model, edgellm_home):
     before = store_snapshot(edgellm_home)
-    proc = start_cli("quantize", F16_NAME, "--level", "q5_k_m", "--threads", "1", "--no-progress")
+    proc = start_cli("quantize", F16_NAME, "--level", "q5_k_m", "--level", "q6_k", "--threads", "2", "--no-progress")
     wait_for_partial(edgellm_home / "models", proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
@@ -157,6 +159,30 @@ def test_cancel_token_stops_the_worker(f16_model, edgellm_home):
     assert store_snapshot(edgellm_home) == before
 
 
+def test_levels_side_by_side_match_one_at_a_time(f16_model, edgellm_home, tmp_path, monkeypatch):
+    """Two levels share the threads side by side; the files are those of one level at a time,
+    which is also what a machine without RAM for two gets."""
+    from edgellm.fsutil import sha256_file
+    from quant.quantize import quantize
+
+    side, alone = tmp_path / "side", tmp_path / "alone"
+    side.mkdir()
+    alone.mkdir()
+    seen = []
+    both = quantize(F16_NAME, ["q8_0", "q4_0"], threads=2, output=side, on_progress=seen.append)
+    assert [r.level for r in both] == ["q8_0", "q4_0"]  # the order asked, whichever finished first
+    assert [r.threads for r in both] == [1, 1]
+    assert seen[-1].done == seen[-1].total == 2 * 272
+    assert any(p.message.startswith("q8_0:") for p in seen) and any(p.message.startswith("q4_0:") for p in seen)
+    monkeypatch.setenv("EDGELLM_FAKE_AVAILABLE_RAM", str(256 << 20))  # too little for two at once
+    one = quantize(F16_NAME, ["q8_0", "q4_0"], threads=2, output=alone, force=True)
+    assert [r.threads for r in one] == [2, 2]
+    for a, b in zip(both, one):
+        assert a.path.parent == side and b.path.parent == alone
+        assert sha256_file(a.path) == sha256_file(b.path) == a.sha256 == b.sha256
+    assert not list(tmp_path.rglob("*.partial"))
+
+
 # -- refusals -----------------------------------------------------------------
 
 
@@ -168,6 +194,7 @@ def test_cancel_token_stops_the_worker(f16_model, edgellm_home):
         (["--level", "iq2_xs"], "importance matrix"),
         ([], "at least one level"),
         (["--level", "q4_0", "--threads", "0"], "--threads"),
+        (["--level", "q4_0", "--jobs", "0"], "--jobs"),
     ],
 )
 def test_bad_levels_refused(cli, f16_model, edgellm_home, args, needle):

@@ -15,12 +15,14 @@ from ..cli import emit_json, running_job
               help="Level to write (q4_0, q4_k_m, q5_k_m, q8_0, iq4_xs, f16, ...); repeat or comma-separate for several. Case-insensitive.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Output file (one level) or folder. Default: the store, named <base>-<level>.")
-@click.option("--threads", type=int, default=None, help="Threads for llama.cpp (default: physical cores).")
+@click.option("--threads", type=int, default=None, help="Threads for llama.cpp in all (default: physical cores).")
+@click.option("--jobs", type=int, default=None,
+              help="Levels quantized side by side, sharing --threads (default: 2 when RAM allows; 1: one after another).")
 @click.option("--allow-requantize", is_flag=True, help="Allow an already-quantized input (the errors compound).")
 @click.option("--force", is_flag=True, help="Replace an existing output of the same name.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output: a list, one object per level.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def quantize_cmd(model, levels, output, threads, allow_requantize, force, as_json, no_progress) -> None:
+def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, force, as_json, no_progress) -> None:
     """Quantize MODEL (an F32/F16/BF16 GGUF: store name or path) with llama.cpp.
 
     Each level is written to a temporary file beside its target and renamed
@@ -36,7 +38,7 @@ def quantize_cmd(model, levels, output, threads, allow_requantize, force, as_jso
 
     wanted = [part.strip() for text in levels for part in text.split(",") if part.strip()]
     with running_job(not no_progress and not as_json) as (bar, token):
-        results = quantize(model, wanted, output=output, threads=threads, allow_requantize=allow_requantize,
+        results = quantize(model, wanted, output=output, threads=threads, jobs=jobs, allow_requantize=allow_requantize,
                            force=force, on_progress=bar, cancel=token)
     if as_json:
         emit_json([r.to_json() for r in results])
