@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .errors import Cancelled, DownloadError, EdgeLLMError, IntegrityError, ModelNotFound
-from .fsutil import atomic_write_text, human_size, sha256_file
+from .fsutil import human_size, sha256_file
 from .progress import CancelToken, Progress, ProgressCallback, RateMeter
 
 log = logging.getLogger(__name__)

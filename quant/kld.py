@@ -260,7 +260,6 @@ class KLDAccumulator:
         ppl_cov = ppl * ppl_base * cov
         kld, kld_e = mean_and_uncertainty(self.sum_kld, self.sum_kld2, c)
         kv = np.sort(self.kld_values[:c])
-        pd = np.sort(self.p_diff_values[:c])
         dp, dp_e = mean_and_uncertainty(self.sum_p_diff, self.sum_p_diff2, c)
         mse, mse_e = mean_and_uncertainty(self.sum_p_diff2, self.sum_p_diff4, c)
         rms = math.sqrt(mse)

@@ -30,15 +30,10 @@ log, because they are why such a model's Q4_K_M file is larger than its Q4_0.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import queue
-import re
-import subprocess
-import sys
-import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from edgellm.errors import BackendCrash, Cancelled, GGUFError, QuantizeError, UsageError
+from edgellm.errors import Cancelled, GGUFError, QuantizeError, UsageError
 from edgellm.fsutil import check_free_disk, fsync_path, human_size, partial_path, sha256_file
 from edgellm.gguf_file import GGUFInfo, read_gguf
 from edgellm.models import Resolved, resolve
@@ -54,17 +49,10 @@ from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter,
 from edgellm.store import ModelRecord, Store
 
 from ._common import FLOAT_LEVELS, OutputPlan, check_writable, inherited_lineage, plan_output, register_output
+from ._workers import Job, Run, Worker, llama_failure, parse_log
 from .levels import FALLBACK, QK_K, Level, parse_level, type_bpw
 
 log = logging.getLogger(__name__)
-
-_TENSOR_RE = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
-_FALLBACK_RE = re.compile(
-    r"warning:\s+(\S+)\s+- ncols\s+(\d+) not divisible by\s+(\d+) \(required for type\s+(\S+)\).*?-> falling back to\s+(\S+)"
-)
-_N_FALLBACK_RE = re.compile(r"WARNING: (\d+) of (\d+) tensor\(s\) required fallback")
-_FAILED_RE = re.compile(r"failed to quantize: (.*)")
-_WORKER = "quant._quantize_worker"
 
 
 @dataclass
@@ -110,32 +98,6 @@ class QuantizeResult:
             "sha256": self.sha256,
             "warnings": self.warnings,
         }
-
-
-@dataclass
-class _Run:
-    """What the worker reported about one llama_model_quantize call."""
-
-    rc: Optional[int] = None
-    seconds: float = 0.0
-    fallbacks: list[tuple[str, int, int, str, str]] = field(default_factory=list)  # name, ncols, block, from, to
-    n_fallback: Optional[int] = None
-    error: str = ""
-    tail: deque = field(default_factory=lambda: deque(maxlen=40))
-
-
-@dataclass
-class _Job:
-    """One level on its way through a worker."""
-
-    index: int  # position in the caller's list of levels: results come back in that order
-    level: Level
-    plan: OutputPlan
-    tmp: Path
-    threads: int
-    t0: float
-    run: _Run = field(default_factory=_Run)
-    done: int = 0  # tensors llama.cpp has finished
 
 
 def quantize(
@@ -189,8 +151,10 @@ def quantize(
     n_slots = min(len(wanted), nthread, jobs if jobs is not None else MAX_JOBS)
     # started before the checks, so their start-up is not on the critical path
     events: queue.Queue = queue.Queue()
-    workers = [_Worker(events, n) for n in _split(nthread, n_slots)]
+    workers: list[Worker] = []
     try:
+        for n in _split(nthread, n_slots):
+            workers.append(Worker(events, n))
         return _quantize_all(model_ref_or_path, wanted, workers, events, output=output, nthread=nthread,
                              allow_requantize=allow_requantize, force=force, store=store, on_progress=on_progress,
                              cancel=cancel)
@@ -210,7 +174,7 @@ def _split(nthread: int, n: int) -> list[int]:
 def _quantize_all(
     model_ref_or_path: str | Path,
     wanted: list[Level],
-    workers: list["_Worker"],
+    workers: list["Worker"],
     events: queue.Queue,
     *,
     output: Optional[Path | str],
@@ -329,7 +293,7 @@ def _run_levels(
     resolved: Resolved,
     info: GGUFInfo,
     todo: list[tuple[Level, OutputPlan]],
-    workers: list["_Worker"],
+    workers: list["Worker"],
     events: queue.Queue,
     *,
     nthread: int,
@@ -346,16 +310,16 @@ def _run_levels(
     # slowest first, so that the last level to finish is a short one and no
     # worker idles long at the end (K- and i-quants search; the rest just round)
     pending = deque(sorted(range(len(todo)), key=lambda i: -_cost(todo[i][0])))
-    active: dict[_Worker, _Job] = {}
+    active: dict[Worker, Job] = {}
     finishing: dict[int, Future] = {}
     finished_tensors = 0
     meter = RateMeter()
     finisher = ThreadPoolExecutor(1, thread_name_prefix="quantize-finish")
 
-    def start(worker: _Worker) -> None:
+    def start(worker: Worker) -> None:
         index = pending.popleft()
         lv, plan = todo[index]
-        job = _Job(index, lv, plan, partial_path(plan.path), worker.threads, time.perf_counter())
+        job = Job(index, lv, plan, partial_path(plan.path), worker.threads, time.perf_counter())
         worker.submit({"input": str(resolved.path), "output": str(job.tmp), "ftype": lv.ftype,
                        "nthread": worker.threads, "allow_requantize": allow_requantize})
         active[worker] = job
@@ -389,14 +353,14 @@ def _run_levels(
             except ValueError:
                 continue
             if "log" in msg:
-                tensor = _parse_log(job.run, msg["log"])
+                tensor = parse_log(job.run, msg["log"])
                 if tensor is not None:
                     job.done = min(tensor[0], per_level)
                     report(f"{job.level.key}: {tensor[1]}")
             elif "done" in msg:
                 job.run.rc, job.run.seconds = int(msg["done"]), float(msg.get("seconds", 0.0))
                 if job.run.rc != 0:
-                    raise _llama_failure(job, worker)
+                    raise llama_failure(job, worker)
                 del active[worker]
                 finished_tensors += per_level
                 finishing[job.index] = finisher.submit(
@@ -429,7 +393,7 @@ def _cost(lv: Level) -> float:
 
 
 def _finish(
-    job: _Job,
+    job: Job,
     *,
     resolved: Resolved,
     info: GGUFInfo,
@@ -486,14 +450,7 @@ def _finish(
     )
 
 
-def _llama_failure(job: _Job, worker: "_Worker") -> QuantizeError:
-    reason = job.run.error or _last_words(job.run, worker.stderr_tail)
-    if "iostream error" in reason or "failbit" in reason:
-        reason = f"could not write {job.tmp.parent} (disk full or a file size limit?) [{reason}]"
-    return QuantizeError(f"llama.cpp could not quantize to {job.level.key}: {reason}")
-
-
-def _fallback_reason(run: _Run, n: int, total: int, lv: Level) -> str:
+def _fallback_reason(run: Run, n: int, total: int, lv: Level) -> str:
     if not n:
         return ""
     cols = sorted({c for _n, c, _b, _s, _d in run.fallbacks})
@@ -506,104 +463,6 @@ def _fallback_reason(run: _Run, n: int, total: int, lv: Level) -> str:
         f"block of the type {lv.key} picks for them, so llama.cpp stored them in a 32-block type instead: {swaps}. "
         f"That is why this file is larger than {lv.key}'s nominal {lv.bpw:g} bits/weight."
     )
-
-
-def _worker_env() -> dict[str, str]:
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
-class _Worker:
-    """One worker process (quant/_quantize_worker.py) with its share of the
-    threads; it runs one level at a time, as many as it is given. Its output
-    lines go to the shared `events` queue as (worker, line), None at EOF."""
-
-    def __init__(self, events: queue.Queue, threads: int) -> None:
-        self.events = events
-        self.threads = threads
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", _WORKER, str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_worker_env(),
-            )
-        except OSError as e:
-            raise QuantizeError(f"cannot start the quantization worker: {e.strerror or e}") from None
-        self.stderr_tail: deque = deque(maxlen=20)
-        self.readers = [threading.Thread(target=self._pump_stdout, daemon=True),
-                        threading.Thread(target=self._pump_stderr, daemon=True)]
-        for r in self.readers:
-            r.start()
-
-    def _pump_stdout(self) -> None:
-        for raw in self.proc.stdout:  # type: ignore[union-attr]
-            self.events.put((self, raw))
-        self.events.put((self, None))
-
-    def _pump_stderr(self) -> None:
-        for raw in self.proc.stderr:  # type: ignore[union-attr]
-            self.stderr_tail.append(raw.decode("utf-8", "replace").rstrip())
-
-    def submit(self, job: dict[str, Any]) -> None:
-        try:
-            self.proc.stdin.write((json.dumps(job) + "\n").encode())  # type: ignore[union-attr]
-            self.proc.stdin.flush()  # type: ignore[union-attr]
-        except OSError:
-            pass  # it died; its EOF says how
-
-    def close(self) -> None:
-        """Stop the worker. Between jobs it holds nothing worth a graceful exit
-        (and may still be importing when an early check failed), so it is killed."""
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()  # type: ignore[union-attr]
-        self.kill()
-        for r in self.readers:
-            r.join(timeout=2)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def death(self, job: _Job) -> Exception:
-        """The error for a worker that ended in the middle of `job`."""
-        self.proc.wait()
-        rc = self.proc.returncode
-        for r in self.readers:
-            r.join(timeout=2)
-        words = _last_words(job.run, self.stderr_tail)
-        if rc is not None and rc < 0:
-            import signal as _signal
-
-            try:
-                sig = _signal.Signals(-rc).name
-            except ValueError:
-                sig = f"signal {-rc}"
-            return BackendCrash(f"llama.cpp died ({sig}) while quantizing to {job.level.key}: {words}")
-        return QuantizeError(f"the quantization worker failed (exit {rc}): {words}")
-
-
-def _parse_log(run: _Run, line: str) -> Optional[tuple[int, str]]:
-    """Note what a llama.cpp log line says; (tensors done, tensor name) for a per-tensor line."""
-    run.tail.append(line)
-    if m := _FAILED_RE.search(line):  # may share a line with the tensor it failed on
-        run.error = m.group(1).strip()
-    if m := _TENSOR_RE.match(line):
-        return int(m.group(1)), m.group(3)
-    if m := _FALLBACK_RE.search(line):
-        run.fallbacks.append((m.group(1), int(m.group(2)), int(m.group(3)), m.group(4), m.group(5)))
-    elif m := _N_FALLBACK_RE.search(line):
-        run.n_fallback = int(m.group(1))
-    return None
-
-
-def _last_words(run: _Run, stderr_tail: deque) -> str:
-    for line in list(run.tail)[::-1] + list(stderr_tail)[::-1]:
-        text = line.strip(" =\n")
-        if text and not text.startswith("["):
-            return text[:300]
-    return "no output"
 
 
 def describe(result: QuantizeResult) -> str:

@@ -22,7 +22,7 @@ from textual.widgets import DataTable, Input, Label, Markdown, Select, Static, T
 from edgellm.fsutil import human_size
 
 from ..widgets.modals import ConfirmModal
-from .base import BaseScreen, NotAvailable, core, selected_value
+from .base import BaseScreen, NotAvailable, selected_value
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 from edgellm.progress import CancelToken
 
-from .base import NotAvailable, call_with_supported
+from .base import NotAvailable
 
 
 def _chat():
