@@ -25,7 +25,7 @@ Every edgellm file must be byte-identical to llama-quantize's (or at least
 tensor-identical); the script exits 1 if one is not.
 
     .venv/bin/python scripts/bench_quantize.py                 # F16 of the default model
-    .venv/bin/python scripts/bench_quantize.py --input model-f16.gguf --threads 2 --runs 3
+    .venv/bin/python scripts/bench_quantize.py --input model-f16.gguf --threads 2 --runs 5
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", type=Path, help="F16/F32/BF16 GGUF (default: F16 of the default model)")
     ap.add_argument("--levels", default="q4_0,q4_k_m,q5_k_m,q8_0")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="default: physical cores")
     ap.add_argument("--llama-quantize", type=Path, default=None)
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
