@@ -273,7 +273,9 @@ def test_real_file_size_limit(f16_model, edgellm_home):
         resource.setrlimit(resource.RLIMIT_FSIZE, (20 << 20, 20 << 20))
 
     before = store_snapshot(edgellm_home)
-    proc = start_cli("quantize", F16_NAME, "--level", "q8_0", "--threads", "2", "--no-progress", preexec_fn=limit)
+    # two levels side by side: the first failure stops the other worker too
+    proc = start_cli("quantize", F16_NAME, "--level", "q8_0", "--level", "q4_0", "--threads", "2", "--no-progress",
+                     preexec_fn=limit)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode != 0 and "Traceback" not in err
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
