@@ -11,7 +11,7 @@ Prints per test each tool's mean avg_ts over the rounds, the ratio of those
 means, and the median of the per-round paired ratios (the headline figure,
 robust to a burst of load landing on one call; goal >= 0.97).
 
-    .venv/bin/python scripts/bench_vs_llama_bench.py --threads 2 --rounds 6 -r 2
+    .venv/bin/python scripts/bench_vs_llama_bench.py --threads 2 --rounds 10 -r 2
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=512)
     ap.add_argument("--tg", type=int, default=128)
     ap.add_argument("-r", "--repetitions", type=int, default=2, help="repetitions per tool call")
-    ap.add_argument("--rounds", type=int, default=6, help="rounds; each runs both tools once per model, alternating first")
+    ap.add_argument("--rounds", type=int, default=10, help="rounds; each runs both tools once per model, alternating first")
     ap.add_argument("--levels", default="q4_k_m,q8_0")
     ap.add_argument("--source", type=Path, default=None, help="GGUF to requantize (default: the catalog default model)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
