@@ -309,7 +309,12 @@ def measure_bandwidth_now(*, threads: int = 1, size_bytes: int = BANDWIDTH_BYTES
 
 def find_llama_bench() -> Path:
     """llama-bench from EDGELLM_LLAMA_TOOLS, else scripts/build_llama_tools.sh (cached), else the tools cache."""
-    exe = "llama-bench.exe" if os.name == "nt" else "llama-bench"
+    return find_llama_tool("llama-bench")
+
+
+def find_llama_tool(name: str) -> Path:
+    """One of llama.cpp's reference tools (llama-bench, llama-perplexity, llama-quantize), found as find_llama_bench says."""
+    exe = f"{name}.exe" if os.name == "nt" else name
     env = os.environ.get("EDGELLM_LLAMA_TOOLS")
     if env:
         p = Path(env).expanduser() / exe
@@ -318,7 +323,7 @@ def find_llama_bench() -> Path:
         raise UsageError(f"EDGELLM_LLAMA_TOOLS={env} holds no {exe}; point it at the bin folder of scripts/build_llama_tools.sh")
     script = Path(__file__).resolve().parent.parent / "scripts" / "build_llama_tools.sh"
     if script.is_file() and shutil.which("bash"):
-        log.info("locating llama-bench with %s (builds it the first time)", script)
+        log.info("locating %s with %s (builds it the first time)", exe, script)
         proc = subprocess.run(["bash", str(script)], capture_output=True, text=True)
         out = proc.stdout.strip().splitlines()
         if proc.returncode == 0 and out and (Path(out[-1]) / exe).is_file():
@@ -329,7 +334,7 @@ def find_llama_bench() -> Path:
     found = sorted((cache_dir() / "llama-tools").glob(f"*/bin/{exe}"), key=lambda p: p.stat().st_mtime)
     if found:
         return found[-1]
-    raise UsageError("llama-bench not found: run scripts/build_llama_tools.sh, or set EDGELLM_LLAMA_TOOLS to its bin folder")
+    raise UsageError(f"{exe} not found: run scripts/build_llama_tools.sh, or set EDGELLM_LLAMA_TOOLS to its bin folder")
 
 
 def run_llama_bench(

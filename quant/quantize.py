@@ -312,7 +312,6 @@ def _run_levels(
     pending = deque(sorted(range(len(todo)), key=lambda i: -_cost(todo[i][0])))
     active: dict[Worker, Job] = {}
     finishing: dict[int, Future] = {}
-    finished_tensors = 0
     meter = RateMeter()
     finisher = ThreadPoolExecutor(1, thread_name_prefix="quantize-finish")
 
@@ -325,7 +324,7 @@ def _run_levels(
         active[worker] = job
 
     def report(message: str) -> None:
-        done = finished_tensors + sum(j.done for j in active.values())
+        done = per_level * len(finishing) + sum(j.done for j in active.values())
         on_progress(Progress(task, done, total, "tensor", message=message, rate=meter.update(done)))
 
     on_progress(Progress(task, 0, total, "tensor", message="loading"))
@@ -362,7 +361,6 @@ def _run_levels(
                 if job.run.rc != 0:
                     raise llama_failure(job, worker)
                 del active[worker]
-                finished_tensors += per_level
                 finishing[job.index] = finisher.submit(
                     _finish, job, resolved=resolved, info=info, nthread=nthread, warnings=warnings, store=store,
                     cancel=cancel)

@@ -58,11 +58,11 @@ def main() -> None:
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from edgellm.hardware import cpu_model
+    from edgellm.profile import find_llama_tool
     from edgellm.runtime import default_threads
 
     threads = a.threads or default_threads()
-    bin_dir = Path(subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_tools.sh")], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
-    tool = str(bin_dir / "llama-perplexity")
+    tool = str(find_llama_tool("llama-perplexity"))
     scratch = Path(tempfile.mkdtemp(prefix="bench-eval-"))
     env = dict(os.environ, EDGELLM_HOME=str(scratch / "home"))
     common = ["-f", str(a.text), "-c", str(a.ctx), "-b", "2048", "--chunks", str(a.chunks), "-t", str(threads)]

@@ -44,13 +44,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def llama_quantize_bin() -> Path:
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_tools.sh")], capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"building llama-quantize failed: {out.stderr[-500:]}")
-    return Path(out.stdout.strip().splitlines()[-1]) / "llama-quantize"
-
-
 def default_f16(home: Path) -> Path:
     """Pull the default model and convert it to F16 in a scratch store."""
     from edgellm import models
@@ -84,12 +77,13 @@ def main() -> int:
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-quantize-"))
     os.environ["EDGELLM_HOME"] = str(scratch / "home")
+    from edgellm.profile import find_llama_tool
     from edgellm.runtime import default_threads
     from quant.levels import parse_level
     from quant.quantize import quantize
 
     threads = args.threads or default_threads()
-    tool = args.llama_quantize or llama_quantize_bin()
+    tool = args.llama_quantize or find_llama_tool("llama-quantize")
     src = (args.input or default_f16(scratch)).resolve()
     levels = [parse_level(x) for x in args.levels.split(",") if x.strip()]
     print(f"input {src.name}, {threads} threads, {args.runs} runs per level, llama-quantize: {tool}", flush=True)

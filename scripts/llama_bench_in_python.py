@@ -52,10 +52,10 @@ def main() -> int:
     ap.add_argument("--numpy", action="store_true", help="import numpy in the host process first")
     a = ap.parse_args()
 
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_tools.sh")], capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"building llama-bench failed: {out.stderr[-300:]}")
-    bin_dir = out.stdout.strip().splitlines()[-1]
+    sys.path.insert(0, str(ROOT))
+    from edgellm.profile import find_llama_bench
+
+    bin_dir = str(find_llama_bench().parent)
     if not (Path(bin_dir) / "libllama-bench-impl.so").is_file():
         sys.exit(f"{bin_dir} holds no libllama-bench-impl.so (a static build?)")
     args = ["-m", str(a.model), "-p", str(a.pp), "-n", str(a.tg), "-t", str(a.threads), "-r", str(a.repetitions), "-o", "json"]

@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ggufmaker import tiny_gguf  # noqa: E402
-from helpers import DEFAULT_NAME, assert_one_line_error, store_snapshot  # noqa: E402
+from helpers import DEFAULT_NAME, assert_one_line_error, store_snapshot, tamper_manifest  # noqa: E402
 
 
 def sha256(p: Path) -> str:
@@ -147,12 +147,7 @@ def test_rewritten_manifest_still_needs_a_valid_gguf(tiny_models, cli, tmp_path,
 def test_unsafe_manifests_are_refused(tiny_models, cli, tmp_path, monkeypatch, field, value, expect):
     bundle = tmp_path / "bundle"
     assert cli("export", "tiny-q8_0", "--to", bundle).exit_code == 0
-    m = json.loads((bundle / "manifest.json").read_text())
-    if field == "name":
-        m["models"][0]["name"] = value
-    else:
-        m["models"][0]["files"][0][field] = value
-    (bundle / "manifest.json").write_text(json.dumps(m))
+    tamper_manifest(bundle, field, value)
     home = fresh_home(monkeypatch, tmp_path, "h4")
     res = cli("import", bundle)
     assert_one_line_error(res)

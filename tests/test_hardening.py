@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Optional
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import DEFAULT_NAME, WIKITEXT, assert_one_line_error, store_snapshot  # noqa: E402
+from helpers import DEFAULT_NAME, WIKITEXT, assert_one_line_error, store_snapshot, tamper_manifest  # noqa: E402
 from hubserver import HubServer  # noqa: E402
 from tiny_gguf import write_tiny_llama  # noqa: E402
 
@@ -273,12 +273,7 @@ def test_hostile_bundle_manifests_are_refused(field, value, expect, tiny_f16, cl
     assert cli("import", tiny_f16, "--name", "tiny-f16").exit_code == 0
     bundle = tmp_path / "bundle"
     assert cli("export", "tiny-f16", "--to", bundle).exit_code == 0
-    m = json.loads((bundle / "manifest.json").read_text())
-    if field == "name":
-        m["models"][0]["name"] = value
-    else:
-        m["models"][0]["files"][0][field] = value
-    (bundle / "manifest.json").write_text(json.dumps(m))
+    tamper_manifest(bundle, field, value)
     fresh = tmp_path / "fresh-home"
     monkeypatch.setenv("EDGELLM_HOME", str(fresh))
     res = cli("import", bundle)
