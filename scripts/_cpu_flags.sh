@@ -13,7 +13,9 @@ EDGELLM_CACHE="${EDGELLM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/edgellm}"
 edgellm_cmake_args() {
     local gpu="${1:-}" args arch flags
     arch="$(uname -m)"
-    args="-DLLAVA_BUILD=OFF"
+    # GGML_RPC: `edgellm worker` and `--rpc` reach llama.cpp's RPC backend
+    # through ctypes; it is a small, plain-C backend, so every build has it.
+    args="-DLLAVA_BUILD=OFF -DGGML_RPC=ON"
     case "$arch" in
         x86_64|amd64)
             flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
