@@ -18,8 +18,8 @@ import shutil
 from pathlib import Path
 from typing import IO, Iterator, Optional
 
-from .errors import Cancelled, InsufficientResources
-from .progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
+from edgellm.errors import Cancelled, InsufficientResources
+from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
 
 log = logging.getLogger(__name__)
 

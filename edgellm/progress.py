@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .errors import Cancelled
+from edgellm.errors import Cancelled
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from edgellm.errors import ModelExists, QuantizeError, UsageError
-from edgellm.gguf_file import GGUFInfo
-from edgellm.models import Resolved, derived_name, record_from_info
-from edgellm.store import ModelRecord, Store, validate_name
+from edgellm.gguf.reader import GGUFInfo
+from edgellm.models.resolve import Resolved, derived_name, record_from_info
+from edgellm.models.store import ModelRecord, Store, validate_name
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 from edgellm.errors import BackendCrash, QuantizeError
 
-from ._common import OutputPlan
-from .levels import Level
+from quant._common import OutputPlan
+from quant.levels import Level
 
 _TENSOR_RE = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
 _FALLBACK_RE = re.compile(

@@ -25,13 +25,13 @@ from typing import Any, Optional
 
 from edgellm.errors import GGUFError, QuantizeError, UsageError
 from edgellm.fsutil import atomic_path, check_free_disk, sha256_file
-from edgellm.gguf_file import read_gguf
-from edgellm.models import resolve
+from edgellm.gguf.reader import read_gguf
+from edgellm.models.resolve import resolve
 from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
-from edgellm.store import ModelRecord, Store
+from edgellm.models.store import ModelRecord, Store
 
-from ._common import FLOAT_LEVELS, check_writable, inherited_lineage, plan_output, register_output
-from .levels import parse_level
+from quant._common import FLOAT_LEVELS, check_writable, inherited_lineage, plan_output, register_output
+from quant.levels import parse_level
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def _read_for_copy(path: Path) -> _Source:
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-    from edgellm.gguf_file import read_layout
+    from edgellm.gguf.reader import read_layout
 
     layout = read_layout(path)
     kvs = [(k, GGUFValueType(t), v, GGUFValueType(et) if et is not None else None) for k, t, v, et in layout.raw_kvs]

@@ -26,8 +26,17 @@ from edgellm.errors import EvalError, InsufficientResources, UsageError
 from edgellm.fsutil import atomic_path, atomic_write_text
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
 
-from .kld import DEFAULT_TAIL_SAMPLES, DEFAULT_TOPK, BaseLogProbs, KLDAccumulator
-from .perplexity import DEFAULT_BATCH, DEFAULT_CTX, LogitsRunner, check_options, load_text, plan_chunks, ppl_with_error, score
+from quant.kld import DEFAULT_TAIL_SAMPLES, DEFAULT_TOPK, BaseLogProbs, KLDAccumulator
+from quant.perplexity import (
+    DEFAULT_BATCH,
+    DEFAULT_CTX,
+    LogitsRunner,
+    check_options,
+    load_text,
+    plan_chunks,
+    ppl_with_error,
+    score,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +127,7 @@ def results_folder() -> Path:
 def _machine() -> str:
     import platform
 
-    from edgellm.hardware import cpu_model
+    from edgellm.engine.hardware import cpu_model
 
     return f"{cpu_model()}, {_cores()} cores, {platform.system()}"
 
@@ -136,7 +145,7 @@ def _file_key(path: Path) -> str:
 
 def lineage_warning(resolved: Any, info: Any, store: Any) -> Optional[str]:
     """A float base that came from a quantized file is not a true reference; say so."""
-    from edgellm.gguf_file import read_gguf
+    from edgellm.gguf.reader import read_gguf
 
     if not info.level.startswith(("f16", "bf16", "f32")):
         return None
@@ -166,7 +175,7 @@ def lineage_warning(resolved: Any, info: Any, store: Any) -> Optional[str]:
 
 
 def _find_level(base_rec: Any, key: str, store: Any) -> Optional[Any]:
-    from edgellm.models import derived_name
+    from edgellm.models.resolve import derived_name
 
     if base_rec is None:
         return None
@@ -189,9 +198,9 @@ class _Target:
 def _targets(base: Any, items: Sequence[str], *, threads: Optional[int], store: Any, on_progress: ProgressCallback,
              cancel: Optional[CancelToken]) -> list[_Target]:
     """Each --levels item: a level (found in the store or quantized now) or a model ref/path."""
-    from edgellm.models import resolve
+    from edgellm.models.resolve import resolve
 
-    from .levels import parse_level
+    from quant.levels import parse_level
 
     out: list[Optional[_Target]] = []
     missing: dict[str, int] = {}
@@ -203,7 +212,7 @@ def _targets(base: Any, items: Sequence[str], *, threads: Optional[int], store: 
                 r = resolve(item, store=store)
             except Exception:
                 raise level_error from None
-            from edgellm.gguf_file import read_gguf
+            from edgellm.gguf.reader import read_gguf
 
             out.append(_Target(r.record.level if r.record else read_gguf(Path(r.path)).level, r.label, Path(r.path)))
             continue
@@ -214,7 +223,7 @@ def _targets(base: Any, items: Sequence[str], *, threads: Optional[int], store: 
             missing[key] = len(out)
             out.append(None)
     if missing:
-        from .quantize import quantize
+        from quant.quantize import quantize
 
         if cancel is not None:
             cancel.check()
@@ -245,9 +254,9 @@ def evaluate(
     save: bool = True,
 ) -> EvalReport:
     """PPL, ΔPPL and KLD of each level against `base_ref`, saved under the results folder."""
-    from edgellm.gguf_file import read_gguf
-    from edgellm.models import resolve
-    from edgellm.store import Store
+    from edgellm.gguf.reader import read_gguf
+    from edgellm.models.resolve import resolve
+    from edgellm.models.store import Store
 
     store = store or Store()
     if isinstance(levels, str):
@@ -469,7 +478,7 @@ def need_bytes(size_bytes: int, kv_bytes_per_token: int, ctx: int) -> int:
 
 def _bench_speeds() -> dict[str, float]:
     try:
-        from edgellm.profile import load_bench_results
+        from edgellm.profile.bench import load_bench_results
     except ImportError:
         return {}
     speeds: dict[str, float] = {}
@@ -490,7 +499,7 @@ def recommend(ram_bytes: Optional[int] = None, ctx: Optional[int] = None) -> Rec
     that fits ranks before a smaller one, then lower mean KLD wins. The
     runner-up is the next candidate that fits (usually smaller and faster).
     """
-    from edgellm.hardware import memory
+    from edgellm.engine.hardware import memory
 
     if ram_bytes is not None and ram_bytes <= 0:
         raise UsageError("--ram must be positive")

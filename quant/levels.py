@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from edgellm.errors import UsageError
-from edgellm.gguf_file import gguf_constants
+from edgellm.gguf.reader import gguf_constants
 
 log = logging.getLogger(__name__)
 

@@ -214,8 +214,8 @@ class LogitsRunner:
     """
 
     def __init__(self, path: Path | str, *, n_ctx: int, n_seq: int, n_batch: int, threads: Optional[int] = None) -> None:
-        from edgellm.gguf_file import check_tensor_data, read_gguf
-        from edgellm.runtime import default_threads, silence_native_stderr
+        from edgellm.gguf.reader import check_tensor_data, read_gguf
+        from edgellm.engine.runtime import default_threads, silence_native_stderr
 
         self.path = Path(path)
         self.info = read_gguf(self.path)  # validate before llama.cpp sees the file
@@ -466,7 +466,7 @@ def perplexity(
     cancel: Optional[CancelToken] = None,
 ) -> PerplexityResult:
     """PPL ± err of `model` (store name, catalog ref or path) on a text, as llama-perplexity reports it."""
-    from edgellm.models import resolve
+    from edgellm.models.resolve import resolve
 
     src = load_text(text, corpus)
     resolved = resolve(str(model), store=store)

@@ -43,14 +43,21 @@ from typing import Any, Optional, Sequence
 
 from edgellm.errors import Cancelled, GGUFError, QuantizeError, UsageError
 from edgellm.fsutil import check_free_disk, fsync_path, human_size, partial_path, sha256_file
-from edgellm.gguf_file import GGUFInfo, read_gguf
-from edgellm.models import Resolved, resolve
+from edgellm.gguf.reader import GGUFInfo, read_gguf
+from edgellm.models.resolve import Resolved, resolve
 from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
-from edgellm.store import ModelRecord, Store
+from edgellm.models.store import ModelRecord, Store
 
-from ._common import FLOAT_LEVELS, OutputPlan, check_writable, inherited_lineage, plan_output, register_output
-from ._workers import Job, Run, Worker, llama_failure, parse_log
-from .levels import FALLBACK, QK_K, Level, parse_level, type_bpw
+from quant._common import (
+    FLOAT_LEVELS,
+    OutputPlan,
+    check_writable,
+    inherited_lineage,
+    plan_output,
+    register_output,
+)
+from quant._workers import Job, Run, Worker, llama_failure, parse_log
+from quant.levels import FALLBACK, QK_K, Level, parse_level, type_bpw
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +235,7 @@ def _fits_side_by_side(info: GGUFInfo, n: int) -> bool:
     The largest is the token embedding in practice (vocab x width), else a
     layer's share of the weights.
     """
-    from edgellm.hardware import available_ram
+    from edgellm.engine.hardware import available_ram
 
     largest = max(info.vocab_size * info.embedding_length, info.parameters // max(1, 4 * info.block_count))
     per_job = largest * (4 + 2 + 2) + (64 << 20)
@@ -236,7 +243,7 @@ def _fits_side_by_side(info: GGUFInfo, n: int) -> bool:
 
 
 def _default_threads() -> int:
-    from edgellm.runtime import default_threads
+    from edgellm.engine.runtime import default_threads
 
     return default_threads()
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from edgellm.chat import ChatSession, Conversation  # noqa: E402
-from edgellm.models import resolve  # noqa: E402
-from edgellm.runtime import Runtime, RuntimeOptions, SamplingParams  # noqa: E402
+from edgellm.chat.session import ChatSession, Conversation  # noqa: E402
+from edgellm.models.resolve import resolve  # noqa: E402
+from edgellm.engine.runtime import Runtime, RuntimeOptions, SamplingParams  # noqa: E402
 
 SYSTEM = "You are a patient tutor. Explain things step by step, with examples."
 TURNS = [

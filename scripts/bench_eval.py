@@ -57,9 +57,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="Timing rounds; each tool's best round counts (default 1).")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from edgellm.hardware import cpu_model
-    from edgellm.profile import find_llama_tool
-    from edgellm.runtime import default_threads
+    from edgellm.engine.hardware import cpu_model
+    from edgellm.profile.bench import find_llama_tool
+    from edgellm.engine.runtime import default_threads
 
     threads = a.threads or default_threads()
     tool = str(find_llama_tool("llama-perplexity"))

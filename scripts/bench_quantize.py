@@ -46,10 +46,10 @@ sys.path.insert(0, str(ROOT))
 
 def default_f16(home: Path) -> Path:
     """Pull the default model and convert it to F16 in a scratch store."""
-    from edgellm import models
+    from edgellm.models.pull import pull
     from quant.convert import convert
 
-    rec = models.pull("smollm2-135m-instruct")
+    rec = pull("smollm2-135m-instruct")
     return convert(rec.name, "f16").path
 
 
@@ -77,8 +77,8 @@ def main() -> int:
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-quantize-"))
     os.environ["EDGELLM_HOME"] = str(scratch / "home")
-    from edgellm.profile import find_llama_tool
-    from edgellm.runtime import default_threads
+    from edgellm.profile.bench import find_llama_tool
+    from edgellm.engine.runtime import default_threads
     from quant.levels import parse_level
     from quant.quantize import quantize
 

@@ -3,7 +3,7 @@
 
 Makes the default model's Q4_K_M and Q8_0 (requantized from the shipped Q4_1
 with llama.cpp's own quantizer, allow_requantize: speed is the point here,
-not quality), then runs pp512 and tg128 through `edgellm.profile.bench` and
+not quality), then runs pp512 and tg128 through `edgellm.profile.bench.bench` and
 through `llama-bench` (built from the same vendored llama.cpp with the same
 CPU flags by scripts/build_llama_tools.sh), alternating which tool goes first
 for each model in each round, so drift and background load hit both alike.
@@ -32,9 +32,10 @@ GOAL = 0.97
 
 
 def default_source() -> Path:
-    from edgellm.catalog import load_catalog
+    from edgellm.models.catalog import load_catalog
     from edgellm.errors import ModelNotFound
-    from edgellm.models import pull, resolve
+    from edgellm.models.pull import pull
+    from edgellm.models.resolve import resolve
 
     name = load_catalog().default.name
     try:
@@ -79,7 +80,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
 
-    from edgellm.profile import bench, find_llama_bench, measure_bandwidth_now, run_llama_bench
+    from edgellm.profile.bench import bench, find_llama_bench, measure_bandwidth_now, run_llama_bench
 
     src = args.source or default_source()
     levels = [lv.strip().lower() for lv in args.levels.split(",") if lv.strip()]

@@ -10,8 +10,11 @@
 # baseline would measure the linking, not edgellm. The libraries sit beside
 # the tools (RUNPATH $ORIGIN), so the bin folder can be used where it is.
 #
+# Usage: build_llama_tools.sh [TOOL...]   (default: the tools the suite needs)
 # Cached under $EDGELLM_CACHE/llama-tools/<version>-<flags key>-shared/bin;
-# prints that bin folder on stdout. Idempotent: a finished build is reused.
+# prints that bin folder on stdout. Idempotent: a finished tool is reused, and
+# the CMake build folder is kept beside it, so asking for one more tool later
+# (llama-server for the load test, say) compiles only that tool.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_cpu_flags.sh
@@ -19,7 +22,7 @@ source scripts/_cpu_flags.sh
 ARGS="$(edgellm_cmake_args "${EDGELLM_GPU:-}")"
 KEY="$(edgellm_flags_key "$ARGS")"
 OUT="$EDGELLM_CACHE/llama-tools/$LLAMA_CPP_PYTHON_VERSION-$KEY-shared"
-TOOLS="${EDGELLM_LLAMA_TOOL_TARGETS:-llama-bench llama-perplexity llama-quantize llama-imatrix rpc-server}"
+TOOLS="${*:-llama-bench llama-perplexity llama-quantize llama-imatrix rpc-server}"
 
 have_all() { for t in $TOOLS; do [ -x "$OUT/bin/$t" ] || return 1; done; }
 if have_all; then echo "$OUT/bin"; exit 0; fi
@@ -39,18 +42,16 @@ if [ ! -d "$SRC/vendor/llama.cpp" ]; then
     mkdir -p "$EDGELLM_CACHE/src"
     tar xzf "$SDIST" -C "$EDGELLM_CACHE/src"
 fi
-BUILD="$OUT/build.partial"
-rm -rf "$BUILD"
+BUILD="$OUT/build"
 say "configuring with: $ARGS"
 # LLAVA_BUILD is a llama-cpp-python option, meaningless here; drop it.
 cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_RPATH='$ORIGIN' -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=OFF ${ARGS//-DLLAVA_BUILD=OFF/} >&2
+    -DLLAMA_BUILD_SERVER=ON ${ARGS//-DLLAVA_BUILD=OFF/} >&2
 say "building $TOOLS ($(nproc) jobs; a few minutes)"
 cmake --build "$BUILD" --config Release -j "$(nproc)" --target $TOOLS >&2
-mkdir -p "$OUT/bin.partial"
-for t in $TOOLS; do cp "$BUILD/bin/$t" "$OUT/bin.partial/"; done
-cp -a "$BUILD"/bin/*.so* "$OUT/bin.partial/"  # the libraries, symlinks kept
-rm -rf "$OUT/bin" && mv "$OUT/bin.partial" "$OUT/bin"
-rm -rf "$BUILD"
+mkdir -p "$OUT/bin"
+# libraries first, tools last and each by rename: have_all never sees a half-copied tool
+cp -a "$BUILD"/bin/*.so* "$OUT/bin/"
+for t in $TOOLS; do cp "$BUILD/bin/$t" "$OUT/bin/.$t.partial" && mv "$OUT/bin/.$t.partial" "$OUT/bin/$t"; done
 echo "$OUT/bin"

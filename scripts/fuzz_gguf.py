@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         default = args.default_model
         if default is None:
             try:
-                from edgellm.models import resolve
+                from edgellm.models.resolve import resolve
 
                 default = resolve("smollm2-135m-instruct").path
             except Exception:

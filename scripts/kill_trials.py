@@ -43,7 +43,7 @@ def check_store(env: dict) -> list[str]:
         return [f"models list failed: {res.stderr.strip()[-200:]}"]
     home = Path(env["EDGELLM_HOME"])
     code = (
-        "import json,sys\nfrom edgellm.store import Store\nbad=[]\n"
+        "import json,sys\nfrom edgellm.models.store import Store\nbad=[]\n"
         "for m in Store().list():\n"
         "    try:\n        Store().verify(m.name)\n"
         "    except Exception as e:\n        bad.append(str(e))\n"

@@ -61,9 +61,9 @@ def default_gguf(tmp_path_factory) -> Path:
 @pytest.fixture
 def default_model(default_gguf, edgellm_home):
     """The default model registered in this test's store (by reference, no copy)."""
-    from edgellm.gguf_file import read_gguf
-    from edgellm.models import record_from_info
-    from edgellm.store import Store
+    from edgellm.gguf.reader import read_gguf
+    from edgellm.models.resolve import record_from_info
+    from edgellm.models.store import Store
 
     info = read_gguf(default_gguf)
     sha = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"

@@ -25,9 +25,9 @@ _cache: dict[str, object] = {}
 def f16_session(default_gguf, tmp_path_factory):
     """(ConvertResult, session home) for the default model converted to F16."""
     if "f16" not in _cache:
-        from edgellm.gguf_file import read_gguf
-        from edgellm.models import record_from_info
-        from edgellm.store import Store
+        from edgellm.gguf.reader import read_gguf
+        from edgellm.models.resolve import record_from_info
+        from edgellm.models.store import Store
         from quant.convert import convert
 
         home = tmp_path_factory.mktemp("quant-session-home")
@@ -44,7 +44,7 @@ def f16_session(default_gguf, tmp_path_factory):
 @pytest.fixture
 def f16_model(f16_session, default_model):
     """The session's F16 registered in this test's store (with its real lineage), plus the Q4_1 parent."""
-    from edgellm.store import ModelRecord, Store
+    from edgellm.models.store import ModelRecord, Store
 
     result, _home = f16_session
     rec = result.record

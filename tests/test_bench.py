@@ -65,7 +65,7 @@ def test_json_rows_use_llama_bench_fields(cli, default_model, edgellm_home):
     assert pp["roofline_ts"] is None
 
     # saved per model and machine, atomically, and readable back
-    from edgellm.profile import load_bench_results, machine_id
+    from edgellm.profile.bench import load_bench_results, machine_id
 
     saved = list((edgellm_home / "results" / "bench").iterdir())
     assert [p.name for p in saved] == [f"{DEFAULT_NAME}-{machine_id()}.json"]
@@ -75,7 +75,7 @@ def test_json_rows_use_llama_bench_fields(cli, default_model, edgellm_home):
 
 
 def test_stats_match_llama_bench_formula():
-    from edgellm._benchworker import stats_ts
+    from edgellm.profile._worker import stats_ts
 
     # 64 tokens in 0.5 s, 0.25 s, 1 s -> 128, 256, 64 t/s
     avg, sd = stats_ts([500_000_000, 250_000_000, 1_000_000_000], 64)
@@ -87,7 +87,7 @@ def test_stats_match_llama_bench_formula():
 
 
 def test_memory_split_q8_0_mmap_vs_no_mmap(q8_gguf):
-    from edgellm.profile import bench
+    from edgellm.profile.bench import bench
 
     size = q8_gguf.stat().st_size
     rows = bench([q8_gguf], pp=64, tg=16, repetitions=1, threads=1, n_ctx=1024, measure_bandwidth=False, save=False)
@@ -199,7 +199,7 @@ def test_cancel_stops_the_child(default_gguf):
     import psutil
 
     from edgellm.errors import Cancelled
-    from edgellm.profile import bench
+    from edgellm.profile.bench import bench
     from edgellm.progress import CancelToken
 
     token = CancelToken()
@@ -226,7 +226,7 @@ def test_cancel_stops_the_child(default_gguf):
 def test_live_sampler_rate_and_rss():
     import psutil
 
-    from edgellm.profile import LiveSampler
+    from edgellm.profile.bench import LiveSampler
 
     with LiveSampler(interval=0.05, window=5.0) as s:
         for _ in range(11):

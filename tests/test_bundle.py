@@ -27,7 +27,7 @@ def sha256(p: Path) -> str:
 @pytest.fixture
 def tiny_models(tmp_path):
     """Two small models in the store: a base and a child derived from it."""
-    from edgellm.models import import_file
+    from edgellm.models.resolve import import_file
 
     base = import_file(tiny_gguf(tmp_path / "base-Q8_0.gguf", seed=1), name="tiny-q8_0")
     child = import_file(tiny_gguf(tmp_path / "base-Q4_K_M.gguf", ftype=15, seed=2), name="tiny-q4_k_m", parent="tiny-q8_0")
@@ -60,7 +60,7 @@ def test_export_import_round_trip_into_a_fresh_home(default_model, tiny_models, 
         for f in m["files"]:
             assert sha256(bundle / f["path"]) == f["sha256"]
     assert not list(bundle.parent.glob(".*export*"))  # no temp folder left beside it
-    old = {m.name: m for m in __import__("edgellm.store", fromlist=["Store"]).Store().list()}
+    old = {m.name: m for m in __import__("edgellm.models.store", fromlist=["Store"]).Store().list()}
 
     home = fresh_home(monkeypatch, tmp_path, "airgapped-home")
     res = cli("import", bundle, "--json")
@@ -70,7 +70,7 @@ def test_export_import_round_trip_into_a_fresh_home(default_model, tiny_models, 
     # Parents are registered before their children.
     order = [r["name"] for r in res.json()]
     assert order.index("tiny-q8_0") < order.index("tiny-q4_k_m")
-    from edgellm.store import Store
+    from edgellm.models.store import Store
 
     store = Store()
     assert store.home == home
@@ -185,7 +185,7 @@ def test_export_errors_are_one_line(tiny_models, cli, tmp_path):
 def test_import_refuses_names_already_in_the_store(tiny_models, cli, tmp_path):
     bundle = tmp_path / "bundle"
     assert cli("export", "tiny-q8_0", "tiny-q4_k_m", "--to", bundle).exit_code == 0
-    from edgellm.store import Store
+    from edgellm.models.store import Store
 
     Store().remove("tiny-q4_k_m")
     before = store_snapshot(Store().home)

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from helpers import DEFAULT_NAME, assert_one_line_error
 
-from edgellm import chat_history
-from edgellm.chat import ChatSession, Conversation
-from edgellm.chat_template import ChatTemplate, TemplateError
+from edgellm.chat import history as chat_history
+from edgellm.chat.session import ChatSession, Conversation
+from edgellm.chat.template import ChatTemplate, TemplateError
 from edgellm.errors import UsageError
 from edgellm.progress import CancelToken
-from edgellm.runtime import Runtime, RuntimeOptions, SamplingParams
-from edgellm.structured import from_json_schema
+from edgellm.engine.runtime import Runtime, RuntimeOptions, SamplingParams
+from edgellm.chat.structured import from_json_schema
 
 T1 = ["--threads", "1"]  # the test machine's cores are shared; one thread is fastest there
 PERSON_SCHEMA = {
@@ -63,7 +63,7 @@ def _copy_gguf(src: Path, dst: Path, *, template: str | None) -> Path:
 
 def _with_template(src: Path, dst: Path, template: str) -> Path:
     """A byte copy of a GGUF whose chat template is replaced in place, padded to the same length."""
-    from edgellm.gguf_file import read_gguf
+    from edgellm.gguf.reader import read_gguf
 
     data = src.read_bytes()
     old = read_gguf(src).chat_template.encode("utf-8")
@@ -201,7 +201,7 @@ def test_bad_schema_and_grammar_are_usage_errors(rt):
         from_json_schema("{nope")
     with pytest.raises(UsageError, match="invalid JSON schema"):
         from_json_schema('{"type": "objekt"}')
-    from edgellm.structured import from_gbnf
+    from edgellm.chat.structured import from_gbnf
 
     with pytest.raises(UsageError, match="invalid grammar"):
         ChatSession(rt, constraint=from_gbnf("root ::= [a-"), history=False)

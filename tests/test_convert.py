@@ -11,7 +11,7 @@ from quant_fixtures import F16_NAME, f16_model, f16_session  # noqa: F401 (fixtu
 
 
 def test_f16_of_default_model_keeps_metadata_and_types(f16_session, default_gguf):
-    from edgellm.gguf_file import read_gguf
+    from edgellm.gguf.reader import read_gguf
 
     result, _home = f16_session
     src, out = read_gguf(default_gguf), read_gguf(result.path)
@@ -55,7 +55,7 @@ def test_f16_tensors_equal_llama_cpps_own_dequantization(f16_session, default_gg
 
 
 def test_f16_generates_like_its_q4_1_parent(f16_session, default_gguf):
-    from edgellm.runtime import Runtime, RuntimeOptions, SamplingParams
+    from edgellm.engine.runtime import Runtime, RuntimeOptions, SamplingParams
 
     result, _home = f16_session
     outs = []
@@ -113,7 +113,7 @@ def test_convert_same_type_and_text_file(cli, f16_model, edgellm_home, tmp_path)
 def test_convert_cancel_leaves_nothing(default_model, edgellm_home):
     from edgellm.errors import Cancelled
     from edgellm.progress import CancelToken
-    from edgellm.store import Store
+    from edgellm.models.store import Store
     from quant.convert import convert
 
     token = CancelToken()

@@ -33,9 +33,9 @@ def smol_env(tmp_path_factory, default_gguf) -> dict:
     home = tmp_path_factory.mktemp("eval-home")
     env = dict(os.environ, EDGELLM_HOME=str(home))
     env.pop("EDGELLM_FAKE_FREE_BYTES", None)
-    from edgellm.gguf_file import read_gguf
-    from edgellm.models import record_from_info
-    from edgellm.store import Store
+    from edgellm.gguf.reader import read_gguf
+    from edgellm.models.resolve import record_from_info
+    from edgellm.models.store import Store
 
     info = read_gguf(default_gguf)
     rec = record_from_info(DEFAULT_NAME, info, [str(default_gguf)], "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
@@ -59,7 +59,7 @@ def smol_eval(smol_env, wikitext, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_kld(smol_eval, llama_bin, wikitext, tmp_path_factory):  # noqa: F811
-    from edgellm.runtime import default_threads
+    from edgellm.engine.runtime import default_threads
 
     t = str(default_threads())
     base_file = tmp_path_factory.mktemp("kld") / "base.kld"
@@ -209,7 +209,7 @@ def test_eval_errors_are_one_line(cli, tmp_path, default_gguf, tiny_gguf):  # no
 
 def test_plot_needs_png_suffix_and_base_lineage_from_name(tmp_path):
     from edgellm.errors import UsageError
-    from edgellm.models import Resolved
+    from edgellm.models.resolve import Resolved
     from quant.evaluate import EvalReport, lineage_warning, write_plot
 
     rep = EvalReport(base="b", base_path="b", base_level="f16", base_size_bytes=1, base_bpw=16, base_ppl=10, base_ppl_err=1,

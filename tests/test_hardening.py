@@ -292,7 +292,7 @@ def test_ram_guard_refuses_with_the_numbers_unless_forced(default_model, cli, mo
     assert_one_line_error(res)
     err = res.stderr.strip().splitlines()[-1]
     from edgellm.fsutil import human_size
-    from edgellm.gguf_file import read_gguf
+    from edgellm.gguf.reader import read_gguf
 
     weights = read_gguf(default_model.path).tensor_bytes
     kv = 2 * 30 * 512 * 3 * 64 * 2  # K and V, 30 layers, 3 KV heads of 64, ctx 512, f16

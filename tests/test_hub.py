@@ -126,7 +126,7 @@ f16 = ["tiny-F16-00001-of-00002.gguf", "tiny-F16-00002-of-00002.gguf"]
     res = cli("pull", "tiny-test", "--level", "f16", "--json", "--no-progress")
     assert res.exit_code == 0, res
     rec = res.json()
-    from edgellm.models import store_name
+    from edgellm.models.resolve import store_name
 
     assert rec["name"] == store_name("tiny-test", "f16") and rec["catalog"] == "tiny-test" and rec["level"] == "f16"
     assert [Path(f).name for f in rec["files"]] == ["tiny-F16-00001-of-00002.gguf", "tiny-F16-00002-of-00002.gguf"]
@@ -139,7 +139,7 @@ f16 = ["tiny-F16-00001-of-00002.gguf", "tiny-F16-00002-of-00002.gguf"]
 
 
 def test_cancelled_pull_resumes_in_process(hub, files, edgellm_home):
-    from edgellm import hub as hubmod
+    from edgellm.models import hub as hubmod
     from edgellm.errors import Cancelled
     from edgellm.progress import CancelToken
 
@@ -154,7 +154,7 @@ def test_cancelled_pull_resumes_in_process(hub, files, edgellm_home):
         hubmod.pull(REPO, level="q6_k", on_progress=stop_half_way, cancel=token)
     part = edgellm_home / "downloads" / f"{hub.file(REPO, Q6).sha256}.download"
     assert size // 2 <= part.stat().st_size < size
-    from edgellm.store import Store
+    from edgellm.models.store import Store
 
     assert Store().list() == []  # a partial download is never listed
     rec = hubmod.pull(REPO, level="q6_k")
@@ -306,7 +306,7 @@ def test_offline_miss_is_one_line_and_makes_no_connection(hub, cli, no_sockets, 
 def test_offline_serves_from_the_hf_cache(hub, cli, monkeypatch):
     from huggingface_hub import hf_hub_download
 
-    from edgellm.hub import hf_cache_dir
+    from edgellm.models.hub import hf_cache_dir
 
     hf_hub_download(REPO, Q8, endpoint=hub.url, cache_dir=hf_cache_dir())
     hub.reset_counters()

@@ -38,7 +38,7 @@ def llama_ppl(llama_bin: Path, model: Path, text: Path, *, ctx: int, chunks: int
 
 
 def test_ppl_equals_llama_perplexity(cli, default_model, default_gguf, wikitext, llama_bin):
-    from edgellm.runtime import default_threads
+    from edgellm.engine.runtime import default_threads
 
     t = default_threads()
     res = cli("ppl", "smollm2-135m-instruct-q4_1", "--text", wikitext, "--ctx", "256", "--chunks", "4", "--batch", "1024",

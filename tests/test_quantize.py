@@ -36,8 +36,8 @@ def test_levels_match_llama_cpp_ftypes():
 
 
 def test_four_levels_load_generate_and_list_lineage(cli, f16_model, edgellm_home):
-    from edgellm.runtime import Runtime, RuntimeOptions, SamplingParams
-    from edgellm.store import Store
+    from edgellm.engine.runtime import Runtime, RuntimeOptions, SamplingParams
+    from edgellm.models.store import Store
 
     res = cli("quantize", F16_NAME, *[a for lv in FOUR for a in ("--level", lv.upper())], "--threads", "2", "--json")
     assert res.exit_code == 0, res
@@ -293,7 +293,7 @@ def test_output_path_and_json_shape(cli, f16_model, edgellm_home, tmp_path):
     assert o["path"] == str(target) and target.is_file()
     assert not list(target.parent.glob("*.partial"))
     assert json.loads(json.dumps(o))["fallback_tensors"] == 1  # the tied embedding: Q6_K -> Q8_0
-    from edgellm.store import Store
+    from edgellm.models.store import Store
 
     rec = Store().get("smollm2-135m-instruct-q4_0")
     assert rec.path == target and rec.parent == F16_NAME

@@ -10,7 +10,13 @@ import pytest
 
 from edgellm.errors import UsageError
 from edgellm.progress import CancelToken
-from edgellm.runtime import KV_BYTES_PER_ELEMENT, GenerationStats, Runtime, RuntimeOptions, SamplingParams
+from edgellm.engine.runtime import (
+    KV_BYTES_PER_ELEMENT,
+    GenerationStats,
+    Runtime,
+    RuntimeOptions,
+    SamplingParams,
+)
 
 
 @pytest.fixture(scope="module")

@@ -34,9 +34,9 @@ LONG_SCHEMA = {"type": "object", "properties": {"s": {"type": "string", "minLeng
 
 
 def _register(home: Path, gguf: Path, *names: str) -> None:
-    from edgellm.gguf_file import read_gguf
-    from edgellm.models import record_from_info
-    from edgellm.store import Store
+    from edgellm.gguf.reader import read_gguf
+    from edgellm.models.resolve import record_from_info
+    from edgellm.models.store import Store
 
     info = read_gguf(gguf)
     for name in names:
@@ -110,7 +110,7 @@ def _template_prompt_tokens(gguf: Path, messages: list[dict]) -> int:
     import llama_cpp
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from edgellm.gguf_file import read_gguf
+    from edgellm.gguf.reader import read_gguf
 
     template = read_gguf(gguf).chat_template
     llm = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
@@ -352,7 +352,7 @@ def test_sigterm_cancels_in_flight_stream_and_exits_cleanly(tmp_path, default_gg
 
 
 def test_bind_warning_only_off_loopback_without_key():
-    from edgellm.server import bind_warning, is_loopback
+    from edgellm.serve.app import bind_warning, is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0")

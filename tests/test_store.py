@@ -13,7 +13,7 @@ import pytest
 
 from edgellm.errors import ModelExists, ModelNotFound, StoreError, UsageError
 from edgellm.fsutil import atomic_path, remove_stale_partials
-from edgellm.store import ModelRecord, Store, validate_name
+from edgellm.models.store import ModelRecord, Store, validate_name
 
 
 def _record(tmp: Path, name: str) -> ModelRecord:

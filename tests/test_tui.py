@@ -16,7 +16,7 @@ import pytest
 import pytest_textual_snapshot
 from helpers import DEFAULT_NAME
 
-from edgellm.store import Store
+from edgellm.models.store import Store
 
 SIZE = (100, 30)
 SNAPSHOT_DIR = Path(__file__).parent / "snapshots"
@@ -204,7 +204,7 @@ def test_quantize_to_q8_0_reaches_100_percent_and_a_queued_job_cancels(default_m
     assert len(cells) == 1 and cells[0][1] == "Q8_0"
     out = Store().get("smollm2-135m-instruct-q8_0")
     assert out.level == "q8_0" and out.parent == DEFAULT_NAME and out.path.is_file()
-    from edgellm.gguf_file import read_gguf
+    from edgellm.gguf.reader import read_gguf
 
     assert read_gguf(out.path).level == "q8_0"
     assert Store().find("smollm2-135m-instruct-q4_0") is None
@@ -279,7 +279,7 @@ def test_evaluate_screen_runs_an_evaluation_and_shows_results(tmp_path):
     _sys.path.insert(0, str(Path(__file__).parent))
     from tiny_gguf import write_tiny_llama
 
-    from edgellm.models import import_file
+    from edgellm.models.resolve import import_file
 
     import_file(write_tiny_llama(tmp_path / "tiny.gguf"), name="tiny-f16")
     text = tmp_path / "text.txt"

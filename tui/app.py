@@ -35,12 +35,12 @@ SCREENS: list[tuple[str, str, str]] = [
 
 
 def _mode_factories() -> dict[str, Any]:
-    from .screens.bench import BenchScreen
-    from .screens.chat import ChatScreen
-    from .screens.evaluate import EvaluateScreen
-    from .screens.models import ModelsScreen
-    from .screens.quantize import QuantizeScreen
-    from .screens.system import SystemScreen
+    from tui.screens.bench_screen import BenchScreen
+    from tui.screens.chat_screen import ChatScreen
+    from tui.screens.evaluate_screen import EvaluateScreen
+    from tui.screens.models_screen import ModelsScreen
+    from tui.screens.quantize_screen import QuantizeScreen
+    from tui.screens.system_screen import SystemScreen
 
     return {
         "models": ModelsScreen,
@@ -94,7 +94,7 @@ class EdgeApp(App):
         env = os.environ.get("EDGELLM_TUI_RAM_BYTES")
         if env and env.isdigit():
             return int(env)
-        from edgellm.hardware import memory
+        from edgellm.engine.hardware import memory
 
         self._ram_bytes = memory().total_bytes
         return self._ram_bytes

@@ -19,7 +19,7 @@ from textual.widgets import Footer
 from edgellm.errors import Cancelled, EdgeLLMError
 from edgellm.progress import CancelToken, Progress, ProgressCallback
 
-from ..widgets.nav import NavBar
+from tui.widgets.nav import NavBar
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def level_bpw(level: str) -> float:
 def ram_needed(weights_bytes: int, kv_bytes: int = 0) -> int:
     """The core's estimate (weights + KV cache + buffers): the same rule the
     RAM guard applies when a model loads."""
-    from edgellm.hardware import estimate_ram
+    from edgellm.engine.hardware import estimate_ram
 
     return estimate_ram(weights_bytes, kv_bytes).needed_bytes
 

@@ -1,8 +1,8 @@
-"""The Chat screen's calls into edgellm.chat, in one place.
+"""The Chat screen's calls into edgellm.chat.session, in one place.
 
 Each function is one core call; they exist so the screen does not depend on
 the exact spelling of the chat module's API, and so a build without
-edgellm.chat says "not available yet" instead of failing.
+edgellm.chat.session says "not available yet" instead of failing.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import Any, Callable, Optional
 
 from edgellm.progress import CancelToken
 
-from .base import NotAvailable
+from tui.screens.base import NotAvailable
 
 
 def _chat():
     try:
-        import edgellm.chat as chat
+        import edgellm.chat.session as chat
     except ImportError as e:
         raise NotAvailable(f"chat is not available in this build yet ({e})") from None
     return chat
@@ -35,14 +35,14 @@ def _float(v: str, default: float) -> float:
 
 
 def runtime_options(s: dict):
-    from edgellm.runtime import RuntimeOptions
+    from edgellm.engine.runtime import RuntimeOptions
 
     gl = (s.get("gpu_layers") or "0").strip()
     return RuntimeOptions(n_ctx=_int(s.get("ctx", ""), 2048) or 2048, n_threads=_int(s.get("threads", ""), None), n_gpu_layers=gl if gl == "auto" else (_int(gl, 0) or 0))
 
 
 def sampling(s: dict):
-    from edgellm.runtime import SamplingParams
+    from edgellm.engine.runtime import SamplingParams
 
     return SamplingParams(
         temperature=_float(s.get("temperature"), 0.8), top_k=_int(s.get("top_k", ""), 40) or 0, top_p=_float(s.get("top_p"), 0.95),
@@ -54,8 +54,8 @@ def sampling(s: dict):
 def open_session(s: dict, *, resume: Optional[str] = None, warn: Optional[Callable[[str], None]] = None) -> Any:
     """Load the model with the settings and start (or resume) a conversation."""
     chat = _chat()
-    from edgellm.models import resolve
-    from edgellm.runtime import Runtime
+    from edgellm.models.resolve import resolve
+    from edgellm.engine.runtime import Runtime
 
     resolved = resolve(s["model"])
     runtime = Runtime(resolved.path, runtime_options(s))
@@ -96,7 +96,7 @@ def close(session: Any) -> None:
 
 def _history():
     _chat()
-    from edgellm import chat_history
+    from edgellm.chat import history as chat_history
 
     return chat_history
 

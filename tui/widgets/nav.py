@@ -14,7 +14,7 @@ class NavBar(Static):
         self.current = current
 
     def render(self) -> Text:
-        from ..app import SCREENS
+        from tui.app import SCREENS
 
         out = Text(" edgellm ", style="bold")
         for mode, key, label in SCREENS:

@@ -1,0 +1,137 @@
+"""The `edgellm` command group.
+
+Thin by design: each command parses its options, calls one core function and
+renders the result (text, or JSON with --json). Commands live in
+`edgellm/cli/*_cmds.py` and are imported only when invoked, so `edgellm --help`
+never pays for llama.cpp, numpy or Textual.
+
+Every expected failure is an `EdgeLLMError` and becomes one line on stderr
+with a non-zero exit; an unexpected one also becomes one line (set
+EDGELLM_DEBUG=1 for the traceback).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from typing import Any, Optional
+
+import click
+
+from edgellm import __version__
+
+# name -> (module edgellm.cli.<module>_cmds, function, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "models": ("model", "models_group", "List and manage the catalog and the local store."),
+    "pull": ("model", "pull_cmd", "Download a model (catalog NAME[:LEVEL] or a Hub repo)."),
+    "import": ("model", "import_cmd", "Import a GGUF file, or an export bundle folder."),
+    "export": ("model", "export_cmd", "Write models and a manifest to a folder for an air gap."),
+    "rm": ("model", "rm_cmd", "Remove a model from the store."),
+    "inspect": ("model", "inspect_cmd", "Show a GGUF's architecture, size, level and tensors."),
+    "doctor": ("doctor", "doctor_cmd", "Check the install: CPU features, build, RAM, self-test."),
+    "chat": ("chat", "chat_cmd", "Chat with a model (interactive, or one-shot with -p)."),
+    "quantize": ("quant", "quantize_cmd", "Quantize a GGUF to one or more levels."),
+    "convert": ("quant", "convert_cmd", "Dequantize a GGUF to f16/bf16/f32."),
+    "ppl": ("eval", "ppl_cmd", "Perplexity of a model on a text (llama-perplexity's algorithm)."),
+    "eval": ("eval", "eval_cmd", "Quality loss of quant levels vs their base: PPL, KLD, top-token."),
+    "recommend": ("eval", "recommend_cmd", "The best measured level that fits this machine."),
+    "bench": ("bench", "bench_cmd", "Tokens/s and memory, beside llama-bench."),
+    "serve": ("serve", "serve_cmd", "Serve the store over an OpenAI-compatible API."),
+    "tui": ("tui", "tui_cmd", "Open the terminal UI (also: `edgellm` with no arguments)."),
+}
+
+
+class OneLineError(click.ClickException):
+    """How every failure reaches the terminal: `error: <message>`, exit code kept."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> Optional[click.Command]:
+        spec = COMMANDS.get(name)
+        if spec is None:
+            return None
+        mod = importlib.import_module(f"edgellm.cli.{spec[0]}_cmds")
+        return getattr(mod, spec[1], None)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from edgellm.errors import EdgeLLMError
+
+        try:
+            return super().invoke(ctx)
+        except EdgeLLMError as e:
+            raise OneLineError(str(e), e.exit_code) from None
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except KeyboardInterrupt:
+            raise OneLineError("cancelled", 130) from None
+        except BrokenPipeError:
+            raise click.exceptions.Exit(1) from None
+        except Exception as e:  # never a traceback for the user; one line and a way to get more
+            if os.environ.get("EDGELLM_DEBUG"):
+                raise
+            msg = str(e).splitlines()[0] if str(e) else ""
+            raise OneLineError(f"internal error: {type(e).__name__}: {msg} (set EDGELLM_DEBUG=1 for details)", 1) from None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Help from the table: listing commands must not import them.
+        rows = [(n, COMMANDS[n][2]) for n in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="edgellm")
+@click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
+@click.pass_context
+def cli(ctx: click.Context, verbose: int) -> None:
+    """edgellm: local, CPU-first LLMs around GGUF quantization.
+
+    Run with no arguments to open the terminal UI.
+
+    \b
+    Quick start:
+      edgellm pull smollm2-135m-instruct
+      edgellm chat smollm2-135m-instruct -p "Hello"
+      edgellm quantize smollm2-135m-instruct-f16 --level q4_k_m
+    """
+    logging.basicConfig(
+        level=logging.WARNING - 10 * verbose, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    _startup_cleanup()
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(cli.get_command(ctx, "tui"))
+
+
+def _startup_cleanup() -> None:
+    """Remove temp files of killed jobs, as promised: at the next start."""
+    try:
+        from edgellm.models.store import Store
+
+        Store().cleanup()
+    except Exception as e:  # housekeeping must never block a command
+        logging.getLogger(__name__).debug("cleanup skipped: %s", e)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        cli.main(args=argv, prog_name="edgellm")
+    except SystemExit as e:  # click's standalone mode always exits
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

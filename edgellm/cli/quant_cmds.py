@@ -1,0 +1,82 @@
+"""quantize / convert: thin wrappers over quant.quantize and quant.convert."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from edgellm.cli.output import emit_json, running_job
+
+
+@click.command("quantize")
+@click.argument("model")
+@click.option("-l", "--level", "levels", multiple=True,
+              help="Level to write (q4_0, q4_k_m, q5_k_m, q8_0, iq4_xs, f16, ...); repeat or comma-separate for several. Case-insensitive.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Output file (one level) or folder. Default: the store, named <base>-<level>.")
+@click.option("--threads", type=int, default=None, help="Threads for llama.cpp in all (default: physical cores).")
+@click.option("--jobs", type=int, default=None,
+              help="Levels quantized side by side, sharing --threads (default: 2 when RAM allows; 1: one after another).")
+@click.option("--allow-requantize", is_flag=True, help="Allow an already-quantized input (the errors compound).")
+@click.option("--force", is_flag=True, help="Replace an existing output of the same name.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output: a list, one object per level.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, force, as_json, no_progress) -> None:
+    """Quantize MODEL (an F32/F16/BF16 GGUF: store name or path) with llama.cpp.
+
+    Each level is written to a temporary file beside its target and renamed
+    when complete, then registered in the store with its parent and level.
+
+    \b
+    Examples:
+      edgellm convert smollm2-135m-instruct --to f16
+      edgellm quantize smollm2-135m-instruct-f16 --level q4_k_m
+      edgellm quantize smollm2-135m-instruct-f16 -l q4_0 -l q8_0 --json
+    """
+    from quant.quantize import describe, quantize
+
+    wanted = [part.strip() for text in levels for part in text.split(",") if part.strip()]
+    with running_job(not no_progress and not as_json) as (bar, token):
+        results = quantize(model, wanted, output=output, threads=threads, jobs=jobs, allow_requantize=allow_requantize,
+                           force=force, on_progress=bar, cancel=token)
+    if as_json:
+        emit_json([r.to_json() for r in results])
+        return
+    for r in results:
+        click.echo(describe(r))
+
+
+@click.command("convert")
+@click.argument("model")
+@click.option("--to", "to", default="f16", show_default=True, help="Float type to write: f16, bf16 or f32.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Output file or folder (default: the store).")
+@click.option("--name", default=None, help="Store name (default: the input's name with its level swapped, e.g. ...-f16).")
+@click.option("--force", is_flag=True, help="Replace an existing output of the same name.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def convert_cmd(model, to, output, name, force, as_json, no_progress) -> None:
+    """Dequantize MODEL to F16/BF16/F32 with gguf-py, keeping all metadata.
+
+    For models published only quantized: the result is a base that
+    `edgellm quantize` and the quality evaluation can start from (its record
+    notes which level it was dequantized from).
+
+    \b
+    Example:
+      edgellm convert smollm2-135m-instruct --to f16
+    """
+    from edgellm.fsutil import human_size
+    from quant.convert import convert
+
+    with running_job(not no_progress and not as_json) as (bar, token):
+        r = convert(model, to, output=output, name=name, force=force, on_progress=bar, cancel=token)
+    if as_json:
+        emit_json(r.to_json())
+        return
+    types = ", ".join(f"{k} {v}" for k, v in sorted(r.tensor_types.items(), key=lambda kv: -kv[1]))
+    click.echo(f"{r.name}: {r.level} from {r.source_level}, {human_size(r.size_bytes)}, {r.bpw:.2f} bits/weight, {r.seconds:.1f} s")
+    click.echo(f"  {r.path}")
+    click.echo(f"  tensors: {types}")
+    for w in r.warnings:
+        click.echo(f"note: {w}", err=True)

@@ -1,1 +1,0 @@
-"""CLI commands, one module per capability; imported lazily by edgellm.cli."""

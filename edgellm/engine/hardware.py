@@ -1,0 +1,306 @@
+"""What this machine and this llama.cpp build can do.
+
+CPU SIMD features the OS exposes, the ones compiled into the installed
+llama.cpp, GPU backends and devices, RAM and disk, and the self-test: a
+subprocess that loads a model and generates a few tokens. The self-test is a
+subprocess because a llama.cpp built for the wrong CPU does not raise, it
+dies (SIGILL on the first matmul); only a child can die for us and let us
+name the signal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+# Features worth reporting, in the spelling llama.cpp's system info uses.
+_X86_FEATURES = {
+    "pni": "SSE3", "ssse3": "SSSE3", "avx": "AVX", "avx2": "AVX2", "f16c": "F16C", "fma": "FMA",
+    "bmi2": "BMI2", "avx_vnni": "AVX_VNNI", "avx512f": "AVX512", "avx512_vbmi": "AVX512_VBMI",
+    "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16", "amx_tile": "AMX_TILE",
+    "amx_int8": "AMX_INT8", "amx_bf16": "AMX_BF16",
+}
+_ARM_FEATURES = {"asimd": "NEON", "asimddp": "DOTPROD", "sve": "SVE", "i8mm": "MATMUL_INT8", "fphp": "FP16_VA"}
+
+SIGNAL_HINTS = {
+    "SIGILL": "this build uses instructions your CPU/OS does not allow; rerun scripts/setup.sh",
+    "SIGSEGV": "llama.cpp crashed reading memory; the model file may be damaged (check `edgellm inspect`)",
+    "SIGABRT": "llama.cpp aborted; the model file is probably malformed or unsupported",
+    "SIGBUS": "the model file changed or was truncated while mapped",
+    "SIGKILL": "the process was killed, most likely out of memory",
+}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_features() -> list[str]:
+    """SIMD features the kernel reports as usable (XSAVE-enabled), llama.cpp spelling."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    table = _ARM_FEATURES if platform.machine().lower() in ("aarch64", "arm64") else _X86_FEATURES
+    return [name for key, name in table.items() if key in flags]
+
+
+def llama_versions() -> dict[str, str]:
+    import llama_cpp
+
+    out = {"llama_cpp_python": getattr(llama_cpp, "__version__", "?")}
+    # The vendored llama.cpp commit is not exported; the build number is in ggml.
+    try:
+        out["llama_cpp_build"] = _system_info().get("build", "")
+    except Exception:
+        pass
+    return out
+
+
+def _system_info() -> dict[str, str]:
+    import llama_cpp
+
+    raw = llama_cpp.llama_print_system_info()
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    return {"raw": text}
+
+
+def compiled_features() -> list[str]:
+    """Features compiled into the installed llama.cpp (from llama_print_system_info)."""
+    text = _system_info()["raw"]
+    return [m.group(1) for m in re.finditer(r"([A-Z0-9_]+) = 1", text)]
+
+
+def gpu_backends() -> dict[str, Any]:
+    """GPU backends compiled in and the devices ggml sees."""
+    import llama_cpp
+
+    result: dict[str, Any] = {"offload_supported": bool(llama_cpp.llama_supports_gpu_offload()), "devices": []}
+    try:
+        n = llama_cpp.ggml_backend_dev_count()
+        for i in range(n):
+            dev = llama_cpp.ggml_backend_dev_get(i)
+            name = llama_cpp.ggml_backend_dev_name(dev)
+            desc = llama_cpp.ggml_backend_dev_description(dev)
+            result["devices"].append({
+                "name": name.decode() if isinstance(name, bytes) else str(name),
+                "description": desc.decode() if isinstance(desc, bytes) else str(desc),
+            })
+    except AttributeError:
+        pass  # older bindings without the device registry
+    text = _system_info()["raw"]
+    result["backends"] = sorted({b for b in ("CUDA", "METAL", "VULKAN", "SYCL", "HIP", "MUSA", "OPENCL") if b in text.upper()} | {
+        d["name"].rstrip("0123456789").upper() for d in result["devices"] if d["name"].upper() not in ("CPU",)
+    })
+    return result
+
+
+@dataclass
+class Memory:
+    total_bytes: int
+    available_bytes: int
+
+
+def memory() -> Memory:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return Memory(int(vm.total), int(vm.available))
+
+
+@dataclass
+class SelfTestResult:
+    ok: bool
+    model: Optional[str] = None
+    tokens: int = 0
+    seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    text: str = ""
+    signal: Optional[str] = None
+    returncode: Optional[int] = None
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def self_test(model_path: Optional[Path], *, n_tokens: int = 8, timeout: float = 180.0, threads: Optional[int] = None) -> SelfTestResult:
+    """Load `model_path` and generate `n_tokens` in a child process."""
+    if model_path is None:
+        return SelfTestResult(False, message="no model to test with: run `edgellm pull` first")
+    cmd = [sys.executable, "-m", "edgellm.engine.selftest", str(model_path), "--tokens", str(n_tokens)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=_no_core_dumps if os.name == "posix" else None)
+    except subprocess.TimeoutExpired:
+        return SelfTestResult(False, model=str(model_path), message=f"self-test timed out after {timeout:.0f} s")
+    if proc.returncode < 0:
+        sig = signal.Signals(-proc.returncode).name
+        hint = SIGNAL_HINTS.get(sig, "llama.cpp crashed")
+        return SelfTestResult(False, model=str(model_path), signal=sig, returncode=proc.returncode, message=f"{sig} in llama.cpp: {hint}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return SelfTestResult(False, model=str(model_path), returncode=proc.returncode, message=f"self-test failed: {last[:200]}")
+    data = json.loads(lines[-1])
+    return SelfTestResult(True, model=str(model_path), returncode=0, **{k: v for k, v in data.items() if k in ("tokens", "seconds", "tokens_per_second", "text")})
+
+
+def _no_core_dumps() -> None:
+    # A deliberate crash in the child must not litter the working folder with cores.
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+@dataclass
+class DoctorReport:
+    python: str
+    platform: str
+    llama_cpp_python: str
+    llama_cpp_system_info: str
+    cpu: str
+    cpu_features: list[str]
+    compiled_features: list[str]
+    missing_in_build: list[str]
+    unsupported_in_build: list[str]
+    gpu: dict[str, Any]
+    ram_total_bytes: int
+    ram_available_bytes: int
+    home: str
+    disk_free_bytes: int
+    self_test: SelfTestResult
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.self_test.ok and not self.unsupported_in_build
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        return d
+
+
+def doctor(*, model_path: Optional[Path] = None, run_self_test: bool = True) -> DoctorReport:
+    import llama_cpp
+
+    from edgellm import paths
+    from edgellm.fsutil import free_bytes
+
+    cpu_f = cpu_features()
+    info = _system_info()["raw"]
+    comp = compiled_features()
+    comp_simd = [f for f in comp if f in set(_X86_FEATURES.values()) | set(_ARM_FEATURES.values())]
+    warnings = []
+    missing = [f for f in cpu_f if f not in comp_simd and not f.startswith("AMX")]
+    unsupported = [f for f in comp_simd if f not in cpu_f and f not in ("SSE3", "SSSE3", "NEON")]
+    if missing:
+        warnings.append(f"the CPU has {', '.join(missing)} but this build does not use them (slower than it could be)")
+    if unsupported:
+        warnings.append(f"this build uses {', '.join(unsupported)}, which this CPU/OS does not expose: it will crash; rerun scripts/setup.sh")
+    mem = memory()
+    st = self_test(model_path) if run_self_test else SelfTestResult(False, message="skipped")
+    home = paths.home()
+    return DoctorReport(
+        python=platform.python_version(),
+        platform=f"{platform.system()} {platform.release()} {platform.machine()}",
+        llama_cpp_python=getattr(llama_cpp, "__version__", "?"),
+        llama_cpp_system_info=info.strip(),
+        cpu=cpu_model(),
+        cpu_features=cpu_f,
+        compiled_features=comp_simd,
+        missing_in_build=missing,
+        unsupported_in_build=unsupported,
+        gpu=gpu_backends(),
+        ram_total_bytes=mem.total_bytes,
+        ram_available_bytes=mem.available_bytes,
+        home=str(home),
+        disk_free_bytes=free_bytes(home),
+        self_test=st,
+        warnings=warnings,
+    )
+
+
+KV_BYTES_PER_ELEM = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32}
+
+
+@dataclass
+class RamEstimate:
+    weights_bytes: int
+    kv_bytes: int
+    overhead_bytes: int
+    available_bytes: int
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.overhead_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_bytes <= self.available_bytes
+
+    def describe(self) -> str:
+        from edgellm.fsutil import human_size
+
+        return (
+            f"needs ~{human_size(self.needed_bytes)} (weights {human_size(self.weights_bytes)} + KV cache "
+            f"{human_size(self.kv_bytes)} + buffers {human_size(self.overhead_bytes)}), "
+            f"{human_size(self.available_bytes)} available"
+        )
+
+
+def available_ram() -> int:
+    override = os.environ.get("EDGELLM_FAKE_AVAILABLE_RAM")
+    if override:  # lets tests exercise the guard without a machine that is short of RAM
+        return int(override)
+    return memory().available_bytes
+
+
+def estimate_ram(weights_bytes: int, kv_bytes: int) -> RamEstimate:
+    # Compute buffers and the runtime itself: a floor for small models, ~5% for big ones.
+    overhead = max(64 << 20, weights_bytes // 20)
+    return RamEstimate(int(weights_bytes), int(kv_bytes), int(overhead), available_ram())
+
+
+def check_fits_ram(info, n_ctx: int, *, kv_type: str = "f16", force: bool = False) -> RamEstimate:
+    """Refuse a load whose weights + KV cache + buffers exceed available RAM, unless forced.
+
+    `info` is a GGUFInfo. mmap would let such a model start, then page
+    weights in and out of disk for every token: minutes per reply.
+    """
+    from edgellm.errors import InsufficientResources
+
+    est = estimate_ram(info.tensor_bytes, info.kv_cache_bytes(n_ctx, bytes_per_elem=KV_BYTES_PER_ELEM.get(kv_type, 2.0)))
+    if not est.fits:
+        if not force:
+            raise InsufficientResources(f"{info.path.name} at ctx {n_ctx} {est.describe()}; use a smaller level or --ctx, or --force")
+        log.warning("%s %s; loading anyway (--force)", info.path.name, est.describe())
+    return est

@@ -1,0 +1,525 @@
+"""A loaded llama.cpp model: options, streaming, cancel, KV reuse, counters.
+
+One `Runtime` wraps one `llama_cpp.Llama`. Chat, bench, the server and the
+TUI all drive models through it, so options (threads, ctx, GPU layers, mmap,
+KV type) mean the same everywhere.
+
+KV reuse: `generate()` hands llama-cpp-python the whole token sequence;
+llama-cpp-python keeps the longest common prefix with what is already in the
+KV cache and evaluates only the rest. The counters in `GenerationStats` come
+from llama.cpp's own perf counters, so a caller can check that turn N of a
+conversation evaluated only its new tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+from edgellm.errors import Cancelled, RuntimeFailure, UsageError
+from edgellm.progress import CancelToken
+
+log = logging.getLogger(__name__)
+
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+# Bytes per K/V element for each cache type (ggml block size / elements per block).
+from edgellm.engine.hardware import KV_BYTES_PER_ELEM as KV_BYTES_PER_ELEMENT  # noqa: E402  (one table for the RAM guard and /stats)
+
+
+def default_threads() -> int:
+    """Physical cores: llama.cpp gains nothing from SMT siblings."""
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except Exception:
+        n = os.cpu_count() or 1
+    return max(1, int(n))
+
+
+@dataclass
+class RuntimeOptions:
+    # context
+    n_ctx: int = 2048
+    n_batch: int = 512
+    n_ubatch: int = 512
+    # threads
+    n_threads: Optional[int] = None  # None: physical cores
+    n_threads_batch: Optional[int] = None
+    # memory / offload
+    n_gpu_layers: Union[int, str] = 0  # int, or "auto"
+    use_mmap: bool = True
+    use_mlock: bool = False
+    kv_type: str = "f16"
+    flash_attn: Optional[bool] = None
+    # misc
+    seed: int = 0xFFFFFFFF
+    logits_all: bool = False
+    verbose: bool = False
+    force: bool = False  # load even when weights + KV exceed available RAM
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: Optional[int] = None
+    max_tokens: int = 512
+    stop: list[str] = field(default_factory=list)
+    grammar: Any = None  # a llama_cpp.LlamaGrammar
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0  # tokens in the whole prompt sent this turn
+    evaluated_prompt_tokens: int = 0  # of those, how many llama.cpp actually evaluated
+    reused_tokens: int = 0  # prompt tokens served from the KV cache
+    generated_tokens: int = 0
+    ttft_seconds: float = 0.0
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    stop_reason: str = ""  # "eos", "stop", "length", "cancelled"
+    # filled by edgellm.chat.session: the turn's place in the context window
+    dropped_turns: int = 0  # oldest turns dropped this turn because the context was full
+    kv_tokens: int = 0  # tokens held in the KV cache after the turn
+    context_size: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.evaluated_prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tokens_per_second"] = round(self.tokens_per_second, 3)
+        d["prompt_tokens_per_second"] = round(self.prompt_tokens_per_second, 3)
+        return d
+
+
+def resolve_gpu_layers(value: Union[int, str], *, warn: Callable[[str], None] = log.warning) -> int:
+    """`auto` → all layers when a GPU backend exists, else 0; N on a CPU-only build → 0 with one warning."""
+    import llama_cpp
+
+    gpu = bool(llama_cpp.llama_supports_gpu_offload())
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return -1 if gpu else 0
+        try:
+            value = int(value)
+        except ValueError:
+            raise UsageError(f"--gpu-layers takes a number, 'auto' or 0, not {value!r}") from None
+    if value != 0 and not gpu:
+        warn("this llama.cpp build has no GPU backend (CPU-only); running on the CPU")
+        return 0
+    return value
+
+
+class Runtime:
+    """One model loaded in llama.cpp."""
+
+    def __init__(
+        self,
+        path: Path | str,
+        options: Optional[RuntimeOptions] = None,
+        *,
+        validate: bool = True,
+        warn: Optional[Callable[[str], None]] = None,
+    ) -> None:
+        from edgellm.gguf.reader import read_gguf
+
+        self.path = Path(path)
+        self.options = opts = options or RuntimeOptions()
+        self.info = read_gguf(self.path) if validate else None
+        if self.info is not None:
+            from edgellm.gguf.reader import check_tensor_data
+            from edgellm.engine.hardware import check_fits_ram
+
+            check_tensor_data(self.path)
+            check_fits_ram(self.info, opts.n_ctx, kv_type=opts.kv_type, force=opts.force)
+        if opts.kv_type not in KV_TYPES:
+            raise UsageError(f"unknown KV cache type {opts.kv_type!r} (expected one of {', '.join(KV_TYPES)})")
+        if opts.n_ctx < 8:
+            raise UsageError(f"context size {opts.n_ctx} is too small")
+        import llama_cpp
+
+        n_threads = opts.n_threads or default_threads()
+        kw: dict[str, Any] = dict(
+            model_path=str(self.path),
+            n_ctx=opts.n_ctx,
+            n_batch=min(opts.n_batch, opts.n_ctx),
+            n_ubatch=min(opts.n_ubatch, opts.n_batch, opts.n_ctx),
+            n_threads=n_threads,
+            n_threads_batch=opts.n_threads_batch or n_threads,
+            n_gpu_layers=resolve_gpu_layers(opts.n_gpu_layers, warn=warn or log.warning),
+            use_mmap=opts.use_mmap,
+            use_mlock=opts.use_mlock,
+            seed=opts.seed,
+            logits_all=opts.logits_all,
+            verbose=opts.verbose,
+        )
+        if opts.kv_type != "f16":
+            kw["type_k"] = KV_TYPES[opts.kv_type]
+            kw["type_v"] = KV_TYPES[opts.kv_type]
+            # llama.cpp needs flash attention for a quantized V cache.
+            kw["flash_attn"] = True
+        elif opts.flash_attn is not None:
+            kw["flash_attn"] = opts.flash_attn
+        self.n_gpu_layers = kw["n_gpu_layers"]
+        t0 = time.perf_counter()
+        try:
+            with silence_native_stderr(enabled=not opts.verbose):
+                self.llm = llama_cpp.Llama(**kw)
+        except (ValueError, RuntimeError, OSError) as e:
+            raise RuntimeFailure(f"llama.cpp could not load {self.path.name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        self.load_seconds = time.perf_counter() - t0
+        self.n_threads = n_threads
+
+    # -- tokens ------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.llm.detokenize(list(tokens)).decode("utf-8", "replace")
+
+    @property
+    def n_ctx(self) -> int:
+        return self.llm.n_ctx()
+
+    @property
+    def n_cached(self) -> int:
+        """Tokens currently held in the KV cache."""
+        return int(self.llm.n_tokens)
+
+    def kv_cache_bytes(self, n_ctx: Optional[int] = None, *, kv_type: Optional[str] = None) -> int:
+        """K and V for all layers at `n_ctx` tokens (the whole context by default) in the cache type."""
+        if self.info is None:
+            return 0
+        kt = kv_type or self.options.kv_type
+        return self.info.kv_cache_bytes(self.n_ctx if n_ctx is None else n_ctx, bytes_per_elem=KV_BYTES_PER_ELEMENT[kt])
+
+    def state_bytes(self) -> int:
+        """llama.cpp's own size of the context state (logits + the used KV cells, in the cache type)."""
+        import llama_cpp
+
+        return int(llama_cpp.llama_state_get_size(self.llm.ctx))
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether the vocab wants a BOS token in front of a prompt."""
+        import llama_cpp
+
+        return bool(llama_cpp.llama_vocab_get_add_bos(self.llm._model.vocab))
+
+    def token_bos(self) -> int:
+        return int(self.llm.token_bos())
+
+    def token_text(self, token: int) -> str:
+        """The text of a token, special tokens included (for templates: bos_token, eos_token)."""
+        if token is None or token < 0:
+            return ""
+        return self.token_piece(token).decode("utf-8", "replace")
+
+    def token_piece(self, token: int) -> bytes:
+        """The bytes a token renders to, special tokens as their text."""
+        import ctypes
+
+        import llama_cpp
+
+        size = 64
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(self.llm._model.vocab, llama_cpp.llama_token(token), buf, size, 0, True)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n + 1
+
+    def cached_tokens(self) -> list[int]:
+        """The token sequence now held in the KV cache."""
+        return [int(t) for t in self.llm.input_ids[: self.llm.n_tokens]]
+
+    def check_grammar(self, gbnf: str) -> None:
+        """Parse a GBNF grammar with llama.cpp's parser; a bad one → one-line UsageError.
+
+        llama.cpp prints parse errors to stderr and returns NULL, and
+        llama-cpp-python would hand that NULL to the sampler chain later, so
+        check it up front with stderr captured for the message.
+        """
+        import llama_cpp
+
+        if not gbnf.strip():
+            raise UsageError("the grammar is empty")
+        logged: list[str] = []
+
+        @llama_cpp.llama_log_callback
+        def on_log(level, text, _user):  # some parse errors go to the log, not stderr
+            logged.append(text.decode("utf-8", "replace") if text else "")
+
+        from llama_cpp import _logger
+
+        llama_cpp.llama_log_set(on_log, None)
+        try:
+            with capture_native_stderr() as captured:
+                smpl = llama_cpp.llama_sampler_init_grammar(self.llm._model.vocab, gbnf.encode("utf-8"), b"root")
+        finally:
+            llama_cpp.llama_log_set(_logger.llama_log_callback, None)
+        if not smpl:
+            raise UsageError("invalid grammar: " + _grammar_error(captured.text + "\n" + "".join(logged)))
+        llama_cpp.llama_sampler_free(smpl)
+
+    def reset(self) -> None:
+        self.llm.reset()
+        self.llm._ctx.kv_cache_clear() if hasattr(self.llm._ctx, "kv_cache_clear") else None
+
+    def perf_counters(self) -> tuple[int, int]:
+        """(prompt tokens evaluated, tokens generated) since the last reset, from llama.cpp."""
+        import llama_cpp
+
+        d = llama_cpp.llama_perf_context(self.llm.ctx)
+        return int(d.n_p_eval), int(d.n_eval)
+
+    def _reset_perf(self) -> None:
+        import llama_cpp
+
+        llama_cpp.llama_perf_context_reset(self.llm.ctx)
+
+    # -- generation --------------------------------------------------------
+
+    def stream(
+        self,
+        prompt_tokens: Sequence[int],
+        sampling: Optional[SamplingParams] = None,
+        *,
+        cancel: Optional[CancelToken] = None,
+        stats: Optional[GenerationStats] = None,
+    ) -> Iterator[str]:
+        """Yield text pieces as they are generated; fill `stats` as it goes.
+
+        Only the tokens past the longest prefix already in the KV cache are
+        evaluated. Cancelling stops after the current token; the KV cache then
+        holds the prompt and what was generated, and the runtime stays usable.
+        """
+        s = sampling or SamplingParams()
+        st = stats if stats is not None else GenerationStats()
+        prompt = list(prompt_tokens)
+        if not prompt:
+            raise UsageError("empty prompt")
+        if len(prompt) >= self.n_ctx:
+            raise UsageError(f"the prompt is {len(prompt)} tokens but the context holds {self.n_ctx}; raise --ctx or shorten it")
+        max_new = min(s.max_tokens if s.max_tokens and s.max_tokens > 0 else self.n_ctx, self.n_ctx - len(prompt))
+        # Without a seed, fall back to the load-time seed (random by default) so
+        # one seeded call does not make every later call deterministic.
+        self.llm.set_seed(int(s.seed if s.seed is not None else self.options.seed) & 0xFFFFFFFF)
+        st.prompt_tokens = len(prompt)
+        self._reset_perf()
+        eos = {self.llm.token_eos()}
+        eot = getattr(self.llm._model, "token_eot", lambda: -1)()
+        if eot is not None and eot >= 0:
+            eos.add(eot)
+        decoder = _Utf8Decoder(self.llm)
+        out_text = ""
+        held = ""  # text held back because it may be the start of a stop string
+        t0 = time.perf_counter()
+        t_first = None
+        gen = self.llm.generate(
+            prompt, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, temp=s.temperature,
+            repeat_penalty=s.repeat_penalty, grammar=s.grammar,
+        )
+        st.stop_reason = "length"
+        n_gen = 0
+        try:
+            for tok in gen:
+                if t_first is None:
+                    t_first = time.perf_counter()
+                    st.ttft_seconds = t_first - t0
+                    st.prompt_seconds = st.ttft_seconds
+                    p_eval, _ = self.perf_counters()
+                    st.evaluated_prompt_tokens = p_eval
+                    st.reused_tokens = len(prompt) - p_eval
+                if tok in eos or self.llm._model.token_is_eog(tok) if hasattr(self.llm._model, "token_is_eog") else tok in eos:
+                    st.stop_reason = "eos"
+                    break
+                n_gen += 1
+                st.generated_tokens = n_gen
+                piece = decoder.push(tok)
+                if piece:
+                    held += piece
+                    hit = _find_stop(held, s.stop)
+                    if hit is not None:
+                        emit = held[:hit]
+                        if emit:
+                            out_text += emit
+                            yield emit
+                        held = ""
+                        st.stop_reason = "stop"
+                        break
+                    keep = _stop_prefix_len(held, s.stop)
+                    emit, held = held[: len(held) - keep], held[len(held) - keep:]
+                    if emit:
+                        out_text += emit
+                        yield emit
+                if cancel is not None and cancel.cancelled:
+                    st.stop_reason = "cancelled"
+                    break
+                if n_gen >= max_new:
+                    st.stop_reason = "length"
+                    break
+        finally:
+            gen.close()
+            now = time.perf_counter()
+            if t_first is not None:
+                st.generation_seconds = now - t_first
+            else:
+                st.prompt_seconds = now - t0
+        if held and st.stop_reason != "stop":
+            yield held
+
+    def complete(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None, *, cancel: Optional[CancelToken] = None) -> tuple[str, GenerationStats]:
+        st = GenerationStats()
+        text = "".join(self.stream(prompt_tokens, sampling, cancel=cancel, stats=st))
+        if st.stop_reason == "cancelled" and cancel is not None:
+            pass
+        return text, st
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.close()
+            self.llm = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Utf8Decoder:
+    """Detokenize token by token without splitting multi-byte characters."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self.buf = b""
+
+    def push(self, tok: int) -> str:
+        self.buf += self.llm.detokenize([tok])
+        try:
+            text = self.buf.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if len(self.buf) - e.start < 4:  # an incomplete trailing sequence: wait
+                text = self.buf[: e.start].decode("utf-8", "replace")
+                self.buf = self.buf[e.start:]
+                return text
+            text = self.buf.decode("utf-8", "replace")
+        self.buf = b""
+        return text
+
+
+def _find_stop(text: str, stops: list[str]) -> Optional[int]:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                best = max(best, k)
+                break
+    return best
+
+
+class _Captured:
+    text = ""
+
+
+@contextlib.contextmanager
+def capture_native_stderr() -> Iterator[_Captured]:
+    """Capture what C code writes to fd 2 (Python's own sys.stderr is untouched)."""
+    cap = _Captured()
+    try:
+        sys.stderr.flush()
+    except Exception:
+        pass
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        try:
+            os.dup2(tmp.fileno(), 2)
+            try:
+                yield cap
+            finally:
+                os.dup2(saved, 2)
+        finally:
+            os.close(saved)
+        tmp.seek(0)
+        cap.text = tmp.read().decode("utf-8", "replace")
+
+
+@contextlib.contextmanager
+def silence_native_stderr(*, enabled: bool = True) -> Iterator[None]:
+    """Send llama.cpp's and ggml's stderr chatter to /dev/null, keep Python's sys.stderr working.
+
+    When sys.stderr is the process's fd 2 it is rebound to a duplicate of the
+    real stderr for the duration, so warnings still reach the user.
+    """
+    if not enabled:
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        uses_fd2 = sys.stderr.fileno() == 2
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        uses_fd2 = False
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    old_stderr = sys.stderr
+    replacement = None
+    try:
+        if uses_fd2:
+            replacement = io.TextIOWrapper(io.FileIO(os.dup(saved), "w"), encoding=getattr(old_stderr, "encoding", None) or "utf-8", errors="replace", line_buffering=True)
+            sys.stderr = replacement
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+        if replacement is not None:
+            sys.stderr = old_stderr
+            with contextlib.suppress(Exception):
+                replacement.close()
+
+
+def _grammar_error(text: str) -> str:
+    """The first useful line of llama.cpp's grammar parser output."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in lines:
+        if "error parsing grammar" in ln or "parse:" in ln or "Undefined rule" in ln or "root" in ln:
+            msg = ln.split("error parsing grammar:", 1)[-1].strip()
+            return msg.rstrip(".")[:200]
+    return (lines[0][:200] if lines else "llama.cpp could not parse it")
+
+
+__all__ = [
+    "Runtime", "RuntimeOptions", "SamplingParams", "GenerationStats", "default_threads", "resolve_gpu_layers", "Cancelled",
+    "KV_TYPES", "KV_BYTES_PER_ELEMENT", "silence_native_stderr", "capture_native_stderr",
+]

@@ -1,0 +1,543 @@
+"""Pulling GGUF models from the Hugging Face Hub: what to pull, whether it
+fits, and where it lands.
+
+* Resolve: catalog `NAME[:LEVEL]` through models.toml, or `owner/repo` with a
+  level (matched against the repo listing by GGUF naming, case-insensitively)
+  or a file; a split GGUF is pulled as its whole set.
+* Preflight, before the first byte: free disk for what is left to fetch; then
+  the RAM the model needs at the default context (weights + KV cache from the
+  GGUF header + compute overhead). The header comes from a range request that
+  is the start of the download itself, so nothing is fetched twice. `force`
+  overrides only the RAM check.
+* Transfer, resume and sha256 verification: `edgellm.models.transfer`.
+* Register the verified files in the store, source `hf:owner/repo@commit`.
+* Offline (`offline=True`, HF_HUB_OFFLINE=1 or EDGELLM_OFFLINE=1): the store,
+  then the Hugging Face cache; no network call is made at all.
+
+Everything on the wire goes through the real huggingface_hub client, so its
+token handling (HF_TOKEN, `hf auth login`), proxies and error types apply.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+from urllib.parse import urlsplit
+
+from edgellm import paths
+from edgellm.models.catalog import CatalogEntry, load_catalog, parse_ref
+from edgellm.errors import (
+    CatalogError,
+    DownloadError,
+    GGUFError,
+    InsufficientResources,
+    IntegrityError,
+    ModelExists,
+    ModelNotFound,
+    OfflineError,
+    UsageError,
+)
+from edgellm.fsutil import (
+    DISK_MARGIN,
+    atomic_path,
+    check_free_disk,
+    free_bytes,
+    human_size,
+    partial_path,
+    sha256_file,
+)
+from edgellm.gguf.reader import GGUFInfo, read_gguf
+from edgellm.models.transfer import RemoteFile, call, endpoint, fetch, resume_size, sidecar_file, verify
+from edgellm.progress import CancelToken, ProgressCallback, no_progress
+from edgellm.models.store import ModelRecord, Store, validate_name
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+HEADER_BYTES = 4 * MiB  # enough for the metadata and tensor table of most GGUFs
+HEADER_MAX = 32 * MiB  # large vocabularies (128k tokens + merges) need more
+DEFAULT_CTX = 2048  # RuntimeOptions' default; what `chat` and `serve` load with
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_SPLIT_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+_LEVEL_RE = re.compile(r"[-_.]((?:i?q\d[a-z0-9_]*)|f16|bf16|f32)(?:-\d{5}-of-\d{5})?\.gguf$", re.IGNORECASE)
+_TRUTHY = ("1", "true", "yes", "on")
+
+# huggingface_hub reads this once, at import (which happens lazily, after this):
+# edgellm fetches the files the user asked for and nothing else (no agent
+# registry look-up on the side, which matters behind a firewall).
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+# -- small result types -------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """What a reference asks for, before the network is consulted."""
+
+    repo: str
+    level: Optional[str]
+    filenames: list[str]  # empty: resolve `level` against the repo listing
+    revision: Optional[str]
+    name: Optional[str]
+    catalog: Optional[CatalogEntry] = None
+
+
+@dataclass
+class Preflight:
+    """Disk and RAM check before the download; both are reported."""
+
+    total_bytes: int
+    download_bytes: int  # what is left to fetch (resume)
+    disk_folder: str
+    disk_free: int
+    disk_needed: int  # download_bytes + margin
+    n_ctx: int
+    weights_bytes: int
+    kv_bytes: int
+    overhead_bytes: int
+    ram_available: int
+    kv_source: str = "gguf header"  # or "estimate"
+
+    @property
+    def ram_needed(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.overhead_bytes
+
+    @property
+    def fits_disk(self) -> bool:
+        return self.disk_free >= self.disk_needed
+
+    @property
+    def fits_ram(self) -> bool:
+        return self.ram_available >= self.ram_needed
+
+    def summary(self) -> str:
+        kv = "" if self.kv_source == "gguf header" else f" ({self.kv_source})"
+        return (
+            f"disk: need {human_size(self.disk_needed)} (incl. {human_size(DISK_MARGIN)} margin), "
+            f"{human_size(self.disk_free)} free; RAM: need ~{human_size(self.ram_needed)} "
+            f"(weights {human_size(self.weights_bytes)} + KV cache {human_size(self.kv_bytes)}{kv} at ctx {self.n_ctx} "
+            f"+ overhead {human_size(self.overhead_bytes)}), {human_size(self.ram_available)} available"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(ram_needed=self.ram_needed, fits_disk=self.fits_disk, fits_ram=self.fits_ram)
+        return d
+
+
+# -- environment ----------------------------------------------------------------
+
+
+def is_offline(offline: bool = False) -> bool:
+    return offline or any(os.environ.get(v, "").lower() in _TRUTHY for v in ("HF_HUB_OFFLINE", "EDGELLM_OFFLINE"))
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, by the client's own rules, read at call time."""
+    env = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if env:
+        return Path(env).expanduser()
+    hf_home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(hf_home).expanduser() / "hub"
+
+
+def downloads_dir(store: Store) -> Path:
+    return store.home / "downloads"
+
+
+# -- resolving a reference ------------------------------------------------------
+
+
+def _target(ref: str, *, level, filename, revision, name) -> Target:
+    base, ref_level = parse_ref(ref)
+    level = (level or ref_level or "").lower() or None
+    if name is not None:
+        validate_name(name)
+    if "/" not in base:
+        entry = load_catalog().get(base)  # CatalogError names the problem
+        level = level or entry.default_level
+        if filename:
+            raise UsageError("--file applies to Hub repos (owner/name); catalog models pick files by level")
+        files = entry.files.get(level)
+        if not files:
+            raise CatalogError(f"'{entry.name}' has no {level} file in {entry.repo}; levels there: {', '.join(entry.files) or 'none'}")
+        from edgellm.models.resolve import store_name
+
+        return Target(entry.repo, level, list(files), revision, name or store_name(entry.name, level), entry)
+    if base.count("/") != 1 or not all(re.fullmatch(r"[\w.-]{1,96}", p) for p in base.split("/")):
+        raise UsageError(f"'{base[:80]}' is neither a catalog name nor a Hub repo id (owner/name)")
+    if filename and level:
+        raise UsageError("give either --level or --file, not both")
+    if not filename and not level:
+        raise UsageError(f"pulling from the repo {base} needs --level LEVEL (e.g. q4_k_m) or --file FILE.gguf")
+    if filename:
+        _check_repo_path(filename)
+        if not filename.lower().endswith(".gguf"):
+            raise UsageError(f"{filename} is not a .gguf file")
+    return Target(base, level, [filename] if filename else [], revision, name)
+
+
+def _check_repo_path(f: str) -> None:
+    if not f or "\x00" in f or f.startswith("/") or "\\" in f or ".." in f.split("/") or len(f) > 255:
+        raise UsageError(f"unsafe file name {f[:60]!r}")
+
+
+def _default_name(filename: str) -> str:
+    stem = _SPLIT_RE.sub("", Path(filename).name)
+    stem = re.sub(r"\.gguf$", "", stem, flags=re.IGNORECASE)
+    cleaned = "".join(c if c.isalnum() or c in "._+-" else "-" for c in stem).strip(".-_") or "model"
+    return cleaned[:120].lower()
+
+
+def _split_members(filename: str, listing: list[str]) -> list[str]:
+    """All shards of the split set `filename` belongs to, or [filename]."""
+    m = _SPLIT_RE.search(filename)
+    if not m:
+        return [filename]
+    n = int(m.group(2))
+    prefix = filename[: m.start()]
+    shards = [f"{prefix}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    lower = {f.lower(): f for f in listing}
+    missing = [s for s in shards if s.lower() not in lower]
+    if missing:
+        raise ModelNotFound(f"split GGUF {Path(filename).name} is incomplete in the repo: {Path(missing[0]).name} is missing")
+    return [lower[s.lower()] for s in shards]
+
+
+def match_level(level: str, listing: list[str], *, repo: str) -> list[str]:
+    """The file (or split set) in `listing` for `level`, by GGUF naming, case-insensitively."""
+    want = level.lower()
+    sets: dict[str, list[str]] = {}
+    for f in listing:
+        m = _LEVEL_RE.search(Path(f).name)
+        if m and m.group(1).lower() == want:
+            key = _SPLIT_RE.sub("", f).lower()
+            sets.setdefault(key, []).append(f)
+    if not sets:
+        levels = sorted({m.group(1).lower() for f in listing if (m := _LEVEL_RE.search(Path(f).name))})
+        raise ModelNotFound(f"{repo} has no {level} GGUF; levels there: {', '.join(levels) or 'none (no .gguf files)'}")
+    if len(sets) > 1:
+        names = ", ".join(sorted(min(v) for v in sets.values()))
+        raise UsageError(f"{level} matches several files in {repo}: {names}; pick one with --file")
+    (files,) = sets.values()
+    return _split_members(sorted(files)[0], listing)
+
+
+# -- the pull -------------------------------------------------------------------
+
+
+def pull(
+    ref: str,
+    *,
+    store: Optional[Store] = None,
+    level: Optional[str] = None,
+    filename: Optional[str] = None,
+    revision: Optional[str] = None,
+    name: Optional[str] = None,
+    force: bool = False,
+    offline: bool = False,
+    token: Optional[str] = None,
+    on_progress: ProgressCallback = no_progress,
+    on_preflight: Optional[Callable[[Preflight], None]] = None,
+    cancel: Optional[CancelToken] = None,
+    **_ignored: Any,
+) -> ModelRecord:
+    """Pull catalog `NAME[:LEVEL]`, or a Hub repo `owner/name` with `level` or `filename`.
+
+    Returns the registered record (or the one already in the store).
+    Raises UsageError/CatalogError (bad reference), ModelNotFound (repo, file,
+    revision or level missing), InsufficientResources (disk; RAM unless
+    `force`), DownloadError (auth, retries exhausted), IntegrityError (sha256
+    mismatch: the file is deleted), OfflineError (offline and not cached),
+    Cancelled (the partial download is kept for the next pull).
+    """
+    store = store or Store()
+    target = _target(ref, level=level, filename=filename, revision=revision, name=name)
+    if target.name and (rec := _existing(store, target, target.filenames or None)):
+        return rec
+    if is_offline(offline):
+        return _pull_offline(store, target, on_progress=on_progress, cancel=cancel)
+    from huggingface_hub import HfApi
+
+    ep = endpoint()
+    what = {"repo": target.repo, "revision": target.revision}
+    info = call(lambda: HfApi(endpoint=ep, token=token).model_info(target.repo, revision=target.revision, files_metadata=True),
+                 what=what, cancel=cancel)
+    siblings = {s.rfilename: s for s in (info.siblings or [])}
+    filenames = target.filenames or match_level(target.level or "", list(siblings), repo=target.repo)
+    if not target.catalog and target.filenames:
+        filenames = _split_members(filenames[0], list(siblings)) if filenames[0] in siblings else filenames
+    for f in filenames:
+        _check_repo_path(f)  # the listing is remote input too: its names become URLs and local paths
+        if f not in siblings:
+            raise ModelNotFound(f"{target.repo} has no file '{f}' at {target.revision or 'main'} (404)")
+    name = target.name or _default_name(filenames[0])
+    validate_name(name)
+    if rec := _existing(store, Target(target.repo, target.level, filenames, target.revision, name, target.catalog), filenames):
+        return rec
+    commit = info.sha or target.revision or "main"
+    files = []
+    for f in filenames:
+        s = siblings[f]
+        sha = (s.lfs.sha256 if s.lfs else "") or ""
+        if not _SHA256_RE.match(sha.lower()) or not s.size:
+            raise DownloadError(f"{target.repo}: {f} has no LFS sha256 on the Hub, so it cannot be verified")
+        files.append(RemoteFile(f, int(s.size), sha.lower()))
+    return _download_and_register(store, target, name, commit, files, token=token, force=force,
+                                  on_progress=on_progress, on_preflight=on_preflight, cancel=cancel)
+
+
+def _existing(store: Store, target: Target, filenames: Optional[list[str]]) -> Optional[ModelRecord]:
+    rec = store.find(target.name) if target.name else None
+    if rec is None:
+        return None
+    if target.catalog is not None and rec.catalog == target.catalog.name:
+        return rec
+    if rec.source.startswith(f"hf:{target.repo}@") and (filenames is None or rec.extra.get("filenames") == filenames):
+        return rec
+    raise ModelExists(f"a model named '{target.name}' already exists ({rec.source}); pick another --name or remove it first")
+
+
+def _download_and_register(store: Store, target: Target, name: str, commit: str, files: list[RemoteFile], *,
+                           token, force, on_progress, on_preflight, cancel) -> ModelRecord:
+    import filelock
+
+    dl = paths.ensure(downloads_dir(store))
+    total = sum(f.size for f in files)
+    have = {f.sha256: resume_size(dl, f) for f in files}
+    cached = {f.sha256: _hf_cached_blob(target.repo, f) for f in files}
+    remaining = sum(f.size - have[f.sha256] for f in files if cached[f.sha256] is None)
+
+    # Preflight 1: disk, before any byte is fetched.
+    disk_free = free_bytes(dl)
+    check_free_disk(dl, remaining, what=f"{name} ({human_size(total)}, {human_size(remaining)} to fetch)")
+
+    locks = [filelock.FileLock(str(dl / f"{f.sha256}.lock")) for f in files]
+    try:
+        for lk in locks:
+            lk.acquire(timeout=0)
+    except filelock.Timeout:
+        raise DownloadError(f"another edgellm process is already downloading {name}") from None
+    try:
+        from huggingface_hub import file_download
+        from huggingface_hub.utils import build_hf_headers
+
+        ep = endpoint()
+        locations: dict[str, tuple[str, dict]] = {}
+
+        def locate(f: RemoteFile, refresh: bool = False) -> tuple[str, dict]:
+            if refresh or f.sha256 not in locations:
+                url = file_download.hf_hub_url(target.repo, f.filename, revision=commit, endpoint=ep)
+                meta = call(lambda: file_download.get_hf_file_metadata(url, token=token, endpoint=ep),
+                             what={"repo": target.repo, "filename": f.filename, "revision": commit}, cancel=cancel)
+                if meta.etag and _SHA256_RE.match(meta.etag) and meta.etag != f.sha256:
+                    raise IntegrityError(f"{f.filename}: the Hub's ETag {meta.etag[:12]}... contradicts its LFS sha256 {f.sha256[:12]}...")
+                headers = build_hf_headers(token=token)
+                if urlsplit(meta.location).netloc != urlsplit(ep).netloc:
+                    headers.pop("authorization", None)  # signed CDN URL: never send the token off the Hub
+                locations[f.sha256] = (meta.location, headers)
+            return locations[f.sha256]
+
+        # Preflight 2: RAM, from the first shard's GGUF header.
+        def fetch_header(f: RemoteFile, upto: int) -> Path:
+            # No progress events yet: the preflight report comes first, then the download's bar.
+            return fetch(dl, f, locate, commit=commit, repo=target.repo, on_progress=no_progress, cancel=cancel, limit=upto)
+
+        pf = _preflight_ram(dl, files, cached, fetch_header, total=total, remaining=remaining, disk_free=disk_free)
+        log.info("preflight for %s: %s", name, pf.summary())
+        if on_preflight:
+            on_preflight(pf)
+        if not pf.fits_ram:
+            msg = (f"{name} may not fit in RAM: needs ~{human_size(pf.ram_needed)} at ctx {pf.n_ctx} "
+                   f"(weights {human_size(pf.weights_bytes)} + KV {human_size(pf.kv_bytes)} + overhead {human_size(pf.overhead_bytes)}), "
+                   f"{human_size(pf.ram_available)} available")
+            if not force:
+                raise InsufficientResources(msg + "; pass --force to pull anyway")
+            log.warning("%s; pulling anyway (--force)", msg)
+
+        folder = store.model_folder(name)
+        finals: list[Path] = []
+        shas: dict[str, str] = {}
+        try:
+            for f in files:
+                final = folder / Path(f.filename).name
+                if cached[f.sha256] is not None:
+                    _adopt(cached[f.sha256], final, f, on_progress=on_progress, cancel=cancel)
+                else:
+                    part = fetch(dl, f, locate, commit=commit, repo=target.repo, on_progress=on_progress, cancel=cancel)
+                    verify(part, f, on_progress=on_progress, cancel=cancel)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    os.replace(part, final)
+                    sidecar_file(dl, f).unlink(missing_ok=True)
+                finals.append(final)
+                shas[store.relative(final)] = f.sha256
+            rec = _record(store, name, finals, shas, total, source=f"hf:{target.repo}@{commit}", target=target,
+                          filenames=[f.filename for f in files])
+            return store.register(rec)
+        except BaseException:
+            if not store.find(name):
+                for p in finals:
+                    p.unlink(missing_ok=True)
+            raise
+    finally:
+        for lk in locks:
+            lk.release()
+
+
+def _record(store: Store, name: str, finals: list[Path], shas: dict[str, str], total: int, *, source: str,
+            target: Target, filenames: list[str]) -> ModelRecord:
+    from edgellm.models.resolve import record_from_info
+
+    info = read_gguf(finals[0])
+    for p in finals[1:]:
+        # Later shards carry only split.* metadata (no architecture): structure checks only.
+        read_gguf(p, check=False)
+    rels = [store.relative(p) for p in finals]
+    rec = record_from_info(
+        name, info, rels, shas[rels[0]], size_bytes=total, source=source,
+        catalog=target.catalog.name if target.catalog else None, file_sha256=shas,
+        extra={"repo": target.repo, "filenames": filenames, "revision": target.revision or "main"},
+    )
+    rec.level = (target.level or info.level).lower()
+    return rec
+
+
+# -- preflight ----------------------------------------------------------------------
+
+
+def _preflight_ram(dl: Path, files: list[RemoteFile], cached: dict, fetch_header, *, total: int, remaining: int,
+                   disk_free: int) -> Preflight:
+    from edgellm.engine.hardware import available_ram
+
+    first = files[0]
+    info = _header_info(dl, first, cached.get(first.sha256), fetch_header)
+    n_ctx = min(DEFAULT_CTX, info.context_length) if info and info.context_length else DEFAULT_CTX
+    if info is not None and info.block_count:
+        kv, source = info.kv_cache_bytes(n_ctx), "gguf header"
+        vocab = info.vocab_size or 32000
+    else:
+        kv, source, vocab = total // 10, "estimate", 32000
+    overhead = 128 * MiB + 4 * vocab * min(512, n_ctx)  # compute buffers and the logits of one batch
+    return Preflight(total, remaining, str(dl), disk_free, remaining + DISK_MARGIN, n_ctx, total, kv, overhead,
+                     available_ram(), source)
+
+
+def _header_info(dl: Path, f: RemoteFile, cached_blob: Optional[Path], fetch_header) -> Optional[GGUFInfo]:
+    """GGUF metadata of `f` from its first MiBs. They come from the HF cache or
+    an earlier partial download when there is one; otherwise they are fetched
+    as the first bytes of the partial download, so nothing is fetched twice."""
+    if cached_blob is not None:
+        return _parse_header(_read_prefix(cached_blob, min(f.size, HEADER_MAX)), dl)
+    want = min(f.size, HEADER_BYTES)
+    while True:
+        part = fetch_header(f, want)
+        info = _parse_header(_read_prefix(part, want), dl)
+        if info is not None or want >= min(f.size, HEADER_MAX):
+            return info
+        want = min(f.size, HEADER_MAX)
+
+
+def _read_prefix(p: Path, n: int) -> bytes:
+    with open(p, "rb") as fh:
+        return fh.read(n)
+
+
+def _parse_header(data: bytes, dl: Path) -> Optional[GGUFInfo]:
+    tmp = partial_path(dl / "header.gguf")
+    try:
+        tmp.write_bytes(data)
+        return read_gguf(tmp, check=False)
+    except GGUFError as e:
+        log.debug("GGUF header not parsed from %d bytes: %s", len(data), e)
+        return None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# -- the Hugging Face cache and offline pulls ------------------------------------------
+
+
+def _repo_cache(repo: str) -> Path:
+    return hf_cache_dir() / ("models--" + repo.replace("/", "--"))
+
+
+def _hf_cached_blob(repo: str, f: RemoteFile) -> Optional[Path]:
+    """The HF cache's blob for `f` (named by its sha256), when complete."""
+    p = _repo_cache(repo) / "blobs" / f.sha256
+    try:
+        return p if p.is_file() and p.stat().st_size == f.size else None
+    except OSError:
+        return None
+
+
+def _cached_snapshot(repo: str, revision: Optional[str]) -> Optional[Path]:
+    root = _repo_cache(repo)
+    rev = revision or "main"
+    ref = root / "refs" / rev
+    commit = ref.read_text().strip() if ref.is_file() else rev
+    snap = root / "snapshots" / commit
+    if snap.is_dir():
+        return snap
+    snaps = [p for p in (root / "snapshots").glob("*") if p.is_dir()] if revision is None else []
+    return snaps[0] if len(snaps) == 1 else None
+
+
+def _adopt(src: Path, final: Path, f: RemoteFile, *, on_progress, cancel) -> None:
+    """Bring a file from the HF cache into the store: a hard link when possible, verified."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(final) as tmp:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            check_free_disk(final.parent, f.size, what=f"copying {Path(f.filename).name} from the Hugging Face cache")
+            import shutil
+
+            shutil.copyfile(src, tmp)
+        got = sha256_file(tmp, on_progress=on_progress, cancel=cancel, task=f"verify {Path(f.filename).name}")
+        if f.sha256 and got != f.sha256:
+            raise IntegrityError(f"{src} in the Hugging Face cache has sha256 {got[:12]}..., expected {f.sha256[:12]}...; not used")
+
+
+def _pull_offline(store: Store, target: Target, *, on_progress, cancel) -> ModelRecord:
+    what = target.catalog.name + ":" + (target.level or "") if target.catalog else f"{target.repo} ({target.filenames[0] if target.filenames else target.level})"
+    snap = _cached_snapshot(target.repo, target.revision)
+    cache = _repo_cache(target.repo)
+    if snap is None:
+        raise OfflineError(f"offline: {what} is not in the store, nor in the Hugging Face cache ({cache}); pull it while online or `edgellm import` a bundle")
+    listing = [str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file()]
+    filenames = target.filenames or match_level(target.level or "", listing, repo=f"{target.repo} (cached)")
+    filenames = _split_members(filenames[0], listing) if not target.catalog and len(filenames) == 1 else filenames
+    missing = [f for f in filenames if not (snap / f).is_file()]
+    if missing:
+        raise OfflineError(f"offline: {what}: {missing[0]} is not in the store, nor in the Hugging Face cache ({cache})")
+    name = target.name or _default_name(filenames[0])
+    if rec := _existing(store, Target(target.repo, target.level, filenames, target.revision, name, target.catalog), filenames):
+        return rec
+    files, finals, shas = [], [], {}
+    folder = store.model_folder(name)
+    try:
+        for fn in filenames:
+            src = (snap / fn).resolve()
+            blob = src.name if _SHA256_RE.match(src.name) else ""
+            rf = RemoteFile(fn, src.stat().st_size, blob)
+            final = folder / Path(fn).name
+            _adopt(src, final, rf, on_progress=on_progress, cancel=cancel)
+            finals.append(final)
+            shas[store.relative(final)] = blob or sha256_file(final)
+            files.append(rf)
+        rec = _record(store, name, finals, shas, sum(f.size for f in files), source=f"hf:{target.repo}@{snap.name}",
+                      target=target, filenames=filenames)
+        return store.register(rec)
+    except BaseException:
+        if not store.find(name):
+            for p in finals:
+                p.unlink(missing_ok=True)
+        raise
+
+
+__all__ = ["Preflight", "RemoteFile", "pull", "match_level", "is_offline", "endpoint", "hf_cache_dir", "downloads_dir"]

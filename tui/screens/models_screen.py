@@ -1,0 +1,276 @@
+"""Models: the catalog and the local store side by side; pull, import,
+delete, inspect. Every action is one call into edgellm.models.resolve / gguf_file."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import DataTable, Label
+
+from edgellm.fsutil import human_size
+from edgellm.progress import Progress
+
+from tui.widgets.jobbar import JobBar
+from tui.widgets.modals import AskModal, ConfirmModal, ReportModal
+from tui.screens.base import DEFAULT_CTX, BaseScreen, fits_mark, level_bpw, ram_needed
+
+log = logging.getLogger(__name__)
+
+
+class ModelsScreen(BaseScreen):
+    MODE = "models"
+    BINDINGS = [
+        Binding("p", "pull", "Pull"),
+        Binding("P", "pull_ref", "Pull ref…", show=False),
+        Binding("i", "import", "Import"),
+        Binding("d,delete", "delete", "Delete"),
+        Binding("v", "inspect", "Inspect"),
+        Binding("escape", "cancel", "Cancel job"),
+        Binding("r", "refresh", "Refresh"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = None
+
+    def compose(self) -> ComposeResult:
+        yield from self.compose_nav()
+        with Horizontal(id="models-panes"):
+            with Vertical(classes="pane"):
+                yield Label("Catalog  [dim](p pull · P pull a ref)[/]", classes="pane-title")
+                yield DataTable(id="catalog", cursor_type="row", zebra_stripes=True)
+            with Vertical(classes="pane"):
+                yield Label("Local store  [dim](v inspect · d delete · i import)[/]", classes="pane-title")
+                yield DataTable(id="store", cursor_type="row", zebra_stripes=True)
+        yield Label("", id="ram-line")
+        yield JobBar(id="models-job")
+        yield from self.compose_footer()
+
+    def on_mount(self) -> None:
+        cat = self.query_one("#catalog", DataTable)
+        cat.add_columns("Model", "Fit", "Level", "Size", "Params")
+        st = self.query_one("#store", DataTable)
+        st.add_columns("Name", "Fit", "Level", "Size", "Source", "Parent")
+        self.refresh_tables()
+        self.query_one("#catalog", DataTable).focus()
+
+    def on_screen_resume(self) -> None:
+        if self.is_mounted:
+            self.refresh_tables()
+
+    # -- tables ------------------------------------------------------------
+
+    def refresh_tables(self) -> None:
+        from edgellm.models.catalog import load_catalog
+        from edgellm.gguf.reader import human_params, read_gguf
+        from edgellm.models.store import Store
+
+        ram = self.app.ram_bytes
+        self.query_one("#ram-line", Label).update(
+            f"[dim]fits: ✓ needs < 80% of {human_size(ram)} RAM at ctx {DEFAULT_CTX} · ~ tight · ✗ too big[/]"
+        )
+        cat = self.query_one("#catalog", DataTable)
+        cat.clear()
+        try:
+            entries = load_catalog().entries
+        except Exception as e:
+            self.notify_error(e, "catalog")
+            entries = []
+        for e in entries:
+            lv = e.default_level
+            if e.package and e.package.level == lv:
+                size, approx = e.package.size_bytes, ""
+            else:
+                size, approx = int(e.parameters * level_bpw(lv) / 8), "~"
+            name = Text(e.name + (" *" if e.default else ""))
+            cat.add_row(name, fits_mark(ram_needed(size), ram), lv, approx + human_size(size), human_params(e.parameters), key=e.name)
+        st = self.query_one("#store", DataTable)
+        st.clear()
+        try:
+            records = Store().list()
+        except Exception as e:
+            self.notify_error(e, "store")
+            records = []
+        for r in records:
+            kv = 0
+            try:
+                kv = read_gguf(r.path, check=False).kv_cache_bytes(DEFAULT_CTX)
+            except Exception:  # a missing file shows as unknown, not as an error
+                pass
+            src = r.source.split(":", 1)[0] if r.source else ""
+            st.add_row(r.name, fits_mark(ram_needed(r.size_bytes, kv), ram), r.level, human_size(r.size_bytes), src, r.parent or "", key=r.name)
+        if not records:
+            st.add_row(Text("(empty: pull or import a model)", style="dim"), "", "", "", "", "", key="")
+
+    def _selected(self, table_id: str) -> str:
+        t = self.query_one(table_id, DataTable)
+        if not t.row_count:
+            return ""
+        key = t.coordinate_to_cell_key((t.cursor_row, 0)).row_key.value
+        return key or ""
+
+    def action_refresh(self) -> None:
+        self.refresh_tables()
+
+    # -- pull --------------------------------------------------------------
+
+    def action_pull(self) -> None:
+        ref = self._selected("#catalog")
+        if ref:
+            self.start_pull(ref)
+
+    def action_pull_ref(self) -> None:
+        def go(v):
+            if v and v.get("ref"):
+                self.start_pull(v["ref"])
+
+        self.app.push_screen(AskModal("Pull a model", [("ref", "Catalog NAME[:LEVEL] or Hub repo", "smollm2-135m-instruct:q8_0")], ok="Pull"), go)
+
+    def _busy(self) -> bool:
+        if self.query_one(JobBar).running:
+            self.notify("a job is already running here (Escape cancels it)", severity="warning")
+            return True
+        return False
+
+    def start_pull(self, ref: str) -> None:
+        if self._busy():
+            return
+        self.token = self.app.new_token()
+        self.query_one(JobBar).start(f"pull {ref}")
+        self._pull(ref, self.token)
+
+    @work(thread=True, group="models-job")
+    def _pull(self, ref: str, token) -> None:
+        from edgellm.models.pull import pull
+
+        ok, rec = self.run_guarded(f"pull {ref}", pull, ref, on_progress=self.progress_to(self._progress), cancel=token, token=token)
+        self.ui(self._done, f"pulled {rec.name}" if ok else "pull failed or cancelled", ok)
+
+    # -- import ------------------------------------------------------------
+
+    def action_import(self) -> None:
+        def go(v):
+            if v and v.get("path"):
+                self.start_import(v["path"], v.get("name") or None)
+
+        self.app.push_screen(
+            AskModal("Import a GGUF file", [("path", "Path to a .gguf file", "/path/to/model.gguf"), ("name", "Name in the store (optional)", "derived from the file name")], ok="Import"),
+            go,
+        )
+
+    def start_import(self, path: str, name: str | None = None) -> None:
+        if self._busy():
+            return
+        self.token = self.app.new_token()
+        self.query_one(JobBar).start(f"import {Path(path).name}")
+        self._import(path, name, self.token)
+
+    @work(thread=True, group="models-job")
+    def _import(self, path: str, name, token) -> None:
+        from edgellm.models.resolve import import_file
+
+        ok, rec = self.run_guarded(
+            f"import {Path(path).name}", import_file, path, name=name, on_progress=self.progress_to(self._progress), cancel=token, token=token
+        )
+        self.ui(self._done, f"imported {rec.name}" if ok else "import failed or cancelled", ok)
+
+    # -- shared job plumbing -----------------------------------------------
+
+    def _progress(self, p: Progress) -> None:
+        self.query_one(JobBar).update_from(p)
+
+    def _done(self, text: str, ok: bool) -> None:
+        self.query_one(JobBar).finish(text, complete=ok)
+        self.token = None
+        if ok:
+            self.notify(text)
+        self.refresh_tables()
+
+    def action_cancel(self) -> None:
+        if self.token is not None:
+            self.token.cancel("cancelled by the user")
+            self.notify("cancelling...")
+
+    # -- delete / inspect ---------------------------------------------------
+
+    def action_delete(self) -> None:
+        name = self._selected("#store")
+        if not name:
+            self.notify("select a model in the local store first", severity="warning")
+            return
+
+        def go(yes: bool | None) -> None:
+            if not yes:
+                return
+            from edgellm.models.resolve import remove
+
+            try:
+                remove(name)
+            except Exception as e:
+                self.notify_error(e, "delete")
+                return
+            self.notify(f"deleted {name}")
+            self.refresh_tables()
+
+        self.app.push_screen(ConfirmModal(f"Delete '{name}' and its files from the store?"), go)
+
+    @on(DataTable.RowSelected, "#store")
+    def _store_row(self, _event: DataTable.RowSelected) -> None:
+        self.action_inspect()
+
+    @on(DataTable.RowSelected, "#catalog")
+    def _catalog_row(self, event: DataTable.RowSelected) -> None:
+        from edgellm.models.catalog import load_catalog
+
+        e = load_catalog().find(str(event.row_key.value or ""))
+        if e is None:
+            return
+        body = "\n".join([
+            f"{e.display}  ({e.license})", e.description, "",
+            f"repo            {e.repo}",
+            f"architecture    {e.architecture}",
+            f"parameters      {e.parameters:,}",
+            f"context length  {e.context_length:,}",
+            f"levels          {', '.join(e.levels)}  (default {e.default_level})",
+            "", "p pulls the default level; P pulls NAME:LEVEL.",
+        ])
+        self.app.push_screen(ReportModal(e.name, body))
+
+    def action_inspect(self) -> None:
+        name = self._selected("#store")
+        if not name:
+            return
+        from edgellm.gguf.reader import human_params, read_gguf
+        from edgellm.models.store import Store
+
+        try:
+            rec = Store().get(name)
+            info = read_gguf(rec.path)
+        except Exception as e:
+            self.notify_error(e, "inspect")
+            return
+        types = ", ".join(f"{k} {v}" for k, v in sorted(info.tensor_types.items(), key=lambda kv: -kv[1]))
+        children = ", ".join(c.name for c in Store().children(name)) or "-"
+        body = "\n".join([
+            f"file            {rec.path}",
+            f"size            {human_size(info.size_bytes)}  ({info.bpw:.2f} bits/weight)",
+            f"level           {info.level}",
+            f"architecture    {info.architecture}  ({human_params(info.parameters)} parameters)",
+            f"layers          {info.block_count} x {info.embedding_length} wide, {info.head_count} heads ({info.head_count_kv} KV)",
+            f"context length  {info.context_length:,}",
+            f"vocabulary      {info.vocab_size:,}",
+            f"tensors         {info.tensor_count}: {types}",
+            f"KV cache        {human_size(info.kv_cache_bytes(DEFAULT_CTX))} at ctx {DEFAULT_CTX} (f16)",
+            f"chat template   {'yes' if info.has_chat_template else 'no'}",
+            f"source          {rec.source or '-'}",
+            f"parent          {rec.parent or '-'}",
+            f"children        {children}",
+            f"sha256          {rec.sha256}",
+        ])
+        self.app.push_screen(ReportModal(f"{name}", body))

@@ -1,0 +1,261 @@
+"""Quantize: pick a base and levels, queue one job per level, watch each
+job's progress, cancel any of them, read the results.
+
+Jobs run one at a time (quantizing is CPU-bound: two at once only share the
+cores) in a single runner worker that drains the queue; each job has its own
+CancelToken, so a queued job can be cancelled before it starts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Button, Checkbox, DataTable, Label, Select, SelectionList
+
+from edgellm.fsutil import human_size
+from edgellm.progress import CancelToken, Progress
+
+from tui.widgets.jobbar import JobBar
+from tui.screens.base import BaseScreen, call_with_supported, core, selected_value
+
+log = logging.getLogger(__name__)
+
+# Shown when quant.quantize does not publish its own list.
+FALLBACK_LEVELS = ["q4_0", "q4_k_m", "q5_k_m", "q8_0", "q4_1", "q6_k", "f16", "bf16"]
+DEFAULT_PICKS = {"q4_0", "q4_k_m", "q5_k_m", "q8_0"}
+
+
+@dataclass
+class Job:
+    id: int
+    base: str
+    level: str
+    token: CancelToken
+    status: str = "queued"
+    pct: float = 0.0
+    result: Any = None
+    options: dict = field(default_factory=dict)
+
+
+def offered_levels() -> list[str]:
+    """The levels quant.levels says edgellm can produce (imatrix ones left out)."""
+    try:
+        from quant.levels import all_levels
+
+        keys = [lv.key for lv in all_levels(usable_only=True)]
+    except Exception:  # the quant package not there yet: a short fixed list
+        return FALLBACK_LEVELS
+    first = [k for k in FALLBACK_LEVELS if k in keys]
+    return first + [k for k in keys if k not in first]
+
+
+class QuantizeScreen(BaseScreen):
+    MODE = "quantize"
+    BINDINGS = [
+        Binding("a", "queue", "Queue jobs"),
+        Binding("x", "cancel_selected", "Cancel job"),
+        Binding("escape", "cancel_running", "Cancel running"),
+        Binding("r", "refresh", "Refresh"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.jobs: dict[int, Job] = {}
+        self._ids = itertools.count(1)
+        self._queue: "queue.Queue[Job]" = queue.Queue()
+        self._lock = threading.Lock()
+        self._runner_active = False
+        self.current: Optional[Job] = None
+
+    def compose(self) -> ComposeResult:
+        yield from self.compose_nav()
+        with Horizontal(id="quant-top"):
+            with Vertical(id="quant-form", classes="form"):
+                yield Label("Base model")
+                yield Select([], prompt="(no models)", id="quant-base", allow_blank=True)
+                yield Label("Levels")
+                yield SelectionList[str](*[(lv.upper(), lv, lv in DEFAULT_PICKS) for lv in offered_levels()], id="quant-levels")
+                yield Checkbox("Allow requantize", id="quant-requant")
+                yield Button("Queue (a)", id="quant-go", variant="primary")
+            with Vertical(id="quant-right"):
+                yield Label("Jobs  [dim](x cancels the selected job)[/]", classes="pane-title")
+                yield DataTable(id="quant-jobs", cursor_type="row")
+                yield JobBar(id="quant-job", idle="no job running")
+                yield Label("Results", classes="pane-title")
+                yield DataTable(id="quant-results", cursor_type="row")
+        yield from self.compose_footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#quant-jobs", DataTable).add_columns("#", "Base", "Level", "Status", "Done")
+        self.query_one("#quant-results", DataTable).add_columns("Output", "Level", "Size", "BPW", "Fallback", "Seconds")
+        self.action_refresh()
+
+    def on_screen_resume(self) -> None:
+        if self.is_mounted:
+            self.action_refresh()
+
+    def action_refresh(self) -> None:
+        from edgellm.models.store import Store
+
+        sel = self.query_one("#quant-base", Select)
+        try:
+            names = [m.name for m in Store().list()]
+        except Exception as e:
+            self.notify_error(e, "store")
+            names = []
+        current = sel.value
+        sel.set_options([(n, n) for n in names])
+        if current in names:
+            sel.value = current
+        elif names:
+            sel.value = names[0]
+
+    # -- queueing ----------------------------------------------------------
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "quant-go":
+            self.action_queue()
+
+    def action_queue(self) -> None:
+        base = selected_value(self.query_one("#quant-base", Select))
+        levels = list(self.query_one("#quant-levels", SelectionList).selected)
+        if not base:
+            self.notify("pick a base model first (import or pull one on the Models screen)", severity="warning")
+            return
+        if not levels:
+            self.notify("pick at least one level", severity="warning")
+            return
+        requant = self.query_one("#quant-requant", Checkbox).value
+        for lv in levels:
+            self.queue_job(str(base), lv, allow_requantize=requant)
+
+    def queue_job(self, base: str, level: str, **options: Any) -> Job:
+        job = Job(next(self._ids), base, level, self.app.new_token(), options=options)
+        self.jobs[job.id] = job
+        self.query_one("#quant-jobs", DataTable).add_row(str(job.id), base, level.upper(), "queued", "0%", key=str(job.id))
+        self._queue.put(job)
+        with self._lock:
+            start = not self._runner_active
+            self._runner_active = True
+        if start:
+            self._runner()
+        return job
+
+    def _show(self, job: Job) -> None:
+        t = self.query_one("#quant-jobs", DataTable)
+        t.update_cell(str(job.id), t.ordered_columns[3].key, job.status)
+        t.update_cell(str(job.id), t.ordered_columns[4].key, f"{job.pct:.0f}%")
+
+    # -- the runner ----------------------------------------------------------
+
+    @work(thread=True, group="quantize")
+    def _runner(self) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._runner_active = False
+                        return
+                continue
+            self._run_job(job)
+
+    def _run_job(self, job: Job) -> None:
+        if job.token.cancelled:
+            job.status = "cancelled"
+            self.ui(self._show, job)
+            self.app.release_token(job.token)
+            return
+        job.status = "running"
+        self.current = job
+        self.ui(self._started, job)
+
+        forward = self.progress_to(self._progress_main)
+
+        def on_progress(p: Progress) -> None:
+            if p.fraction is not None:
+                job.pct = 100.0 * p.fraction
+            forward(p)
+
+        def call():
+            quantize = core("quant.quantize", "quantize")
+            return call_with_supported(quantize, job.base, [job.level], on_progress=on_progress, cancel=job.token, **job.options)
+
+        ok, results = self.run_guarded(f"quantize {job.base} → {job.level.upper()}", call, token=job.token)
+        self.current = None
+        if ok:
+            job.status, job.pct, job.result = "done", 100.0, results
+        else:
+            job.status = "cancelled" if job.token.cancelled else "failed"
+        self.ui(self._finished, job)
+
+    def _started(self, job: Job) -> None:
+        self._show(job)
+        self.query_one(JobBar).start(f"#{job.id} {job.level.upper()}")
+
+    def _progress_main(self, p: Progress) -> None:
+        self.query_one(JobBar).update_from(p)
+        if self.current is not None:
+            self._show(self.current)
+
+    def _finished(self, job: Job) -> None:
+        self._show(job)
+        self.query_one(JobBar).finish(f"#{job.id} {job.status}", complete=job.status == "done")
+        if job.status == "done":
+            self.notify(f"quantized {job.base} to {job.level.upper()}")
+            res = self.query_one("#quant-results", DataTable)
+            for r in job.result or []:
+                d = _as_dict(r)
+                out = d.get("name") or str(d.get("path", "")).rsplit("/", 1)[-1]
+                res.add_row(
+                    out, str(d.get("level", job.level)).upper(), human_size(d.get("size_bytes") or 0),
+                    f"{d.get('bpw', 0):.2f}", str(_count(d.get("fallback_tensors"))), f"{d.get('seconds', 0):.1f}",
+                )
+
+    # -- cancelling ---------------------------------------------------------
+
+    def action_cancel_running(self) -> None:
+        if self.current is not None:
+            self.current.token.cancel("cancelled by the user")
+            self.notify(f"cancelling job #{self.current.id}...")
+
+    def action_cancel_selected(self) -> None:
+        t = self.query_one("#quant-jobs", DataTable)
+        if not t.row_count:
+            return
+        key = t.coordinate_to_cell_key((t.cursor_row, 0)).row_key.value
+        job = self.jobs.get(int(key)) if key else None
+        if job and job.status in ("queued", "running"):
+            job.token.cancel("cancelled by the user")
+            if job.status == "queued":
+                job.status = "cancelled"
+                self._show(job)
+            self.notify(f"cancelling job #{job.id}...")
+
+
+def _as_dict(r: Any) -> dict:
+    if isinstance(r, dict):
+        return r
+    if hasattr(r, "to_json"):
+        return r.to_json()
+    if hasattr(r, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return asdict(r)
+    return dict(vars(r))
+
+
+def _count(v: Any) -> int:
+    if isinstance(v, (list, tuple, dict, set)):
+        return len(v)
+    return int(v or 0)
