@@ -123,7 +123,7 @@ class _Worker:
 
     def _start(self) -> subprocess.Popen:
         env = dict(os.environ)
-        pkg_root = str(Path(__file__).resolve().parent.parent)
+        pkg_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         # Its own session: a Ctrl-C meant for the reply must not kill the renderer.
         self.proc = subprocess.Popen(

@@ -91,7 +91,7 @@ def catalog_path() -> Path:
     if env:
         return Path(env)
     # models.toml sits at the project root, beside the packages.
-    return Path(__file__).resolve().parent.parent / "models.toml"
+    return Path(__file__).resolve().parents[2] / "models.toml"
 
 
 def parse_ref(ref: str) -> tuple[str, Optional[str]]:

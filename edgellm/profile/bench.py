@@ -209,7 +209,7 @@ def _run_worker(req: dict[str, Any], *, label: str, on_event, cancel: Optional[C
     from edgellm.engine.hardware import SIGNAL_HINTS
 
     env = dict(os.environ)
-    pkg_parent = str(Path(__file__).resolve().parent.parent)
+    pkg_parent = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, "-m", "edgellm.profile._worker"], stdin=subprocess.PIPE,
@@ -321,7 +321,7 @@ def find_llama_tool(name: str) -> Path:
         if p.is_file():
             return p
         raise UsageError(f"EDGELLM_LLAMA_TOOLS={env} holds no {exe}; point it at the bin folder of scripts/build_llama_tools.sh")
-    script = Path(__file__).resolve().parent.parent / "scripts" / "build_llama_tools.sh"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "build_llama_tools.sh"
     if script.is_file() and shutil.which("bash"):
         log.info("locating %s with %s (builds it the first time)", exe, script)
         proc = subprocess.run(["bash", str(script)], capture_output=True, text=True)
