@@ -23,9 +23,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from edgellm.errors import EdgeLLMError, IntegrityError, ModelExists, UsageError
+from edgellm.errors import EdgeLLMError, GGUFError, IntegrityError, ModelExists, UsageError
 from edgellm.fsutil import atomic_write_text, check_free_disk, copy_with_sha256, partial_path
-from edgellm.gguf.reader import read_gguf
+from edgellm.gguf.reader import validate_for_import
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
 from edgellm.models.store import ModelRecord, Store, validate_name
 
@@ -295,9 +295,7 @@ def import_bundle(
                     )
                 finals.append(final)
                 shas[store.relative(final)] = sha
-            info = read_gguf(staged[-len(finals)][0])
-            for tmp, _final in staged[-len(finals) + 1:] if len(finals) > 1 else []:
-                read_gguf(tmp, check=False)  # later shards hold only split.* metadata
+            info = _validate_staged(staged[-len(finals):], m["files"])
             rels = [store.relative(p) for p in finals]
             rec = ModelRecord(
                 name=m["name"], files=rels, size_bytes=sum(f["size"] for f in m["files"]), sha256=shas[rels[0]],
@@ -326,6 +324,17 @@ def import_bundle(
         raise
     log.info("imported %s from %s", ", ".join(r.name for r in records), folder)
     return records
+
+
+def _validate_staged(staged: list[tuple[Path, Path]], files: list[dict]) -> Any:
+    """validate_for_import on the hashed copies, its errors naming the bundle's files."""
+    try:
+        return validate_for_import([tmp for tmp, _final in staged])
+    except GGUFError as e:
+        msg = str(e)
+        for (tmp, _final), f in zip(staged, files):
+            msg = msg.replace(tmp.name, f"bundle file {f['path']}")
+        raise GGUFError(f"{msg}; nothing was imported") from None
 
 
 def _register_all(store: Store, records: list[ModelRecord]) -> None:

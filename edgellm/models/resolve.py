@@ -20,7 +20,7 @@ from edgellm.errors import (
     ModelNotFound,
     UsageError,
 )
-from edgellm.gguf.reader import GGUFInfo, check_tensor_data, read_gguf, split_set
+from edgellm.gguf.reader import GGUFInfo, split_set, validate_for_import
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
 from edgellm.models.store import ModelRecord, Store, copy_into_store, validate_name
 
@@ -125,12 +125,7 @@ def import_file(
     missing = [s for s in shards if not s.is_file()]
     if missing:
         raise ModelNotFound(f"split GGUF is incomplete: {missing[0].name} is missing")
-    info = read_gguf(shards[0])
-    for s in shards[1:]:
-        # later shards carry only split.* metadata and their slice of tensors
-        read_gguf(s, check=False)
-    for s in shards:
-        check_tensor_data(s)
+    info = validate_for_import(shards)
     name = validate_name(name or _default_import_name(path, info))
     if store.find(name):
         raise ModelExists(f"a model named '{name}' already exists (use --name to pick another)")
