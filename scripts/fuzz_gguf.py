@@ -6,7 +6,7 @@ one-line error with exit != 0 — no traceback, no signal, no hang.
     .venv/bin/python scripts/fuzz_gguf.py --count 40 --json      # a slice
 
 Cases are made from two sources: a tiny float llama written with gguf-py
-(tests/tiny_gguf.py; cheap, so most cases) and the real default model
+(tests/support/gguf_files.py; cheap, so most cases) and the real default model
 (SmolLM2-135M Q4_1, if pulled; a few dozen cases). Mutations: truncation at
 every structure boundary, bad magic/versions, absurd tensor/KV counts, string
 and array lengths past EOF, tensor dims/types/offsets out of range or
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per run before it counts as a hang")
     args = ap.parse_args(argv)
 
-    from tiny_gguf import write_tiny_llama
+    from support.gguf_files import write_tiny_llama
 
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="edgellm-fuzz-"))

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             default = Path(json.loads(edgellm(["pull", "smollm2-135m-instruct", "--json", "--no-progress"], env).stdout)["path"])
         else:
             edgellm(["import", str(default), "--name", "smollm2-135m-instruct-q4_1"], env)
-        from tiny_gguf import write_tiny_llama
+        from support.gguf_files import write_tiny_llama
 
         tiny = write_tiny_llama(work / "tiny.gguf", n_layer=4, n_embd=512, n_ff=1536)
         assert edgellm(["import", str(tiny), "--name", "tiny-f16"], env).returncode == 0
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         selected = [c for c in args.commands.split(",") if c]
         server = None
         if "pull" in selected:
-            from hubserver import HubServer
+            from support.hubserver import HubServer
 
             server = HubServer({"edgellm/kill-test": {"model.gguf": default}}).start()
             server.throttle(40 << 20)  # ~2.5 s for the file: room to kill it mid-way

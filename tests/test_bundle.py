@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from ggufmaker import tiny_gguf  # noqa: E402
-from helpers import DEFAULT_NAME, assert_one_line_error, store_snapshot, tamper_manifest  # noqa: E402
+from support.gguf_files import write_stub_gguf
+from support.helpers import DEFAULT_ENTRY, DEFAULT_NAME, DEFAULT_SHA256, DEFAULT_SIZE, assert_one_line_error, store_snapshot, tamper_manifest
 
 
 def sha256(p: Path) -> str:
@@ -29,8 +26,8 @@ def tiny_models(tmp_path):
     """Two small models in the store: a base and a child derived from it."""
     from edgellm.models.resolve import import_file
 
-    base = import_file(tiny_gguf(tmp_path / "base-Q8_0.gguf", seed=1), name="tiny-q8_0")
-    child = import_file(tiny_gguf(tmp_path / "base-Q4_K_M.gguf", ftype=15, seed=2), name="tiny-q4_k_m", parent="tiny-q8_0")
+    base = import_file(write_stub_gguf(tmp_path / "base-Q8_0.gguf", seed=1), name="tiny-q8_0")
+    child = import_file(write_stub_gguf(tmp_path / "base-Q4_K_M.gguf", ftype=15, seed=2), name="tiny-q4_k_m", parent="tiny-q8_0")
     return base, child
 
 
@@ -51,9 +48,9 @@ def test_export_import_round_trip_into_a_fresh_home(default_model, tiny_models, 
     by_name = {m["name"]: m for m in manifest["models"]}
     assert set(by_name) == set(names)
     d = by_name[DEFAULT_NAME]
-    assert d["sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-    assert d["files"][0]["size"] == default_model.size_bytes == 98362432
-    assert d["catalog"] == "smollm2-135m-instruct" and d["catalog_entry"]["repo"] == "bartowski/SmolLM2-135M-Instruct-GGUF"
+    assert d["sha256"] == DEFAULT_SHA256
+    assert d["files"][0]["size"] == default_model.size_bytes == DEFAULT_SIZE
+    assert d["catalog"] == DEFAULT_ENTRY.name and d["catalog_entry"]["repo"] == DEFAULT_ENTRY.repo
     assert d["level"] == "q4_1" and d["source"].startswith("pypi:")
     assert by_name["tiny-q4_k_m"]["parent"] == "tiny-q8_0"
     for m in manifest["models"]:

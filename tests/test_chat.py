@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import DEFAULT_NAME, assert_one_line_error
+from support.helpers import DEFAULT_NAME, assert_one_line_error
 
 from edgellm.chat import history as chat_history
 from edgellm.chat.session import ChatSession, Conversation

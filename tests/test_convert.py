@@ -6,8 +6,8 @@ import ctypes
 import json
 
 import pytest
-from helpers import DEFAULT_NAME, assert_one_line_error, store_snapshot
-from quant_fixtures import F16_NAME, f16_model, f16_session  # noqa: F401 (fixtures)
+from support.helpers import DEFAULT_NAME, assert_one_line_error, store_snapshot
+from support.quant_fixtures import F16_NAME
 
 
 def test_f16_of_default_model_keeps_metadata_and_types(f16_session, default_gguf):

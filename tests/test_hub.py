@@ -1,4 +1,4 @@
-"""Hub pulls through the real, unpatched huggingface_hub client against tests/hubserver.py.
+"""Hub pulls through the real, unpatched huggingface_hub client against tests/support/hubserver.py.
 
 What is proven here: a pull killed with SIGKILL resumes and sends <= 1.1x the file;
 the sha256 is verified (a flipped byte is refused, nothing registered); 5xx and
@@ -10,7 +10,6 @@ preflight refuses unless --force; levels resolve by GGUF naming; split sets pull
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import socket
@@ -21,10 +20,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ggufmaker import tiny_gguf  # noqa: E402
-from helpers import assert_one_line_error, store_snapshot  # noqa: E402
-from hubserver import DEFAULT_SHA, HubServer  # noqa: E402
+from support.gguf_files import write_stub_gguf
+from support.helpers import DEFAULT_NAME, DEFAULT_SHA256, assert_one_line_error, store_snapshot
+from support.hubserver import DEFAULT_SHA, HubServer
 
 REPO = "edge/tiny-GGUF"
 Q8 = "tiny-Q8_0.gguf"
@@ -40,16 +38,16 @@ def sha256(p: Path) -> str:
 def files(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("gguf")
     out = {
-        Q8: tiny_gguf(d / Q8, pad_mib=3),
-        "tiny-Q4_K_M.gguf": tiny_gguf(d / "tiny-Q4_K_M.gguf", ftype=15, seed=1),
-        "tiny.Q5_K_M.gguf": tiny_gguf(d / "tiny.Q5_K_M.gguf", ftype=17, seed=2),
-        "tiny-v2.Q5_K_M.gguf": tiny_gguf(d / "tiny-v2.Q5_K_M.gguf", ftype=17, seed=3),
-        "tiny-Q6_K.gguf": tiny_gguf(d / "tiny-Q6_K.gguf", ftype=18, seed=5, pad_mib=9),  # > the 4 MiB header read
+        Q8: write_stub_gguf(d / Q8, pad_mib=3),
+        "tiny-Q4_K_M.gguf": write_stub_gguf(d / "tiny-Q4_K_M.gguf", ftype=15, seed=1),
+        "tiny.Q5_K_M.gguf": write_stub_gguf(d / "tiny.Q5_K_M.gguf", ftype=17, seed=2),
+        "tiny-v2.Q5_K_M.gguf": write_stub_gguf(d / "tiny-v2.Q5_K_M.gguf", ftype=17, seed=3),
+        "tiny-Q6_K.gguf": write_stub_gguf(d / "tiny-Q6_K.gguf", ftype=18, seed=5, pad_mib=9),  # > the 4 MiB header read
         "README.md": b"# tiny\n",
     }
     split = d / "split"
     split.mkdir()
-    tiny_gguf(split / "tiny-F16.gguf", ftype=1, seed=4, split_max_tensors=2)
+    write_stub_gguf(split / "tiny-F16.gguf", ftype=1, seed=4, split_max_tensors=2)
     for p in sorted(split.glob("*.gguf")):
         out[p.name] = p
     return out
@@ -195,8 +193,8 @@ def test_kill_9_at_half_then_pull_again_resumes(default_gguf, cli, edgellm_home,
         res = cli("pull", repo, "--file", fname, "--json", "--no-progress")
         assert res.exit_code == 0, res
         rec = res.json()
-        assert rec["sha256"] == meta.sha256 == sha256(rec["path"]) == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-        assert rec["name"] == "smollm2-135m-instruct-q4_1" and rec["level"] == "q4_1"
+        assert rec["sha256"] == meta.sha256 == sha256(rec["path"]) == DEFAULT_SHA256
+        assert rec["name"] == DEFAULT_NAME and rec["level"] == "q4_1"
         second_gets = body_gets(server)[-1]
         assert second_gets.range.endswith(f"-{meta.size - 1}")
         total = server.bytes_sent[fname]

@@ -1,4 +1,4 @@
-"""The fake Hub in tests/hubserver.py, exercised by the real, unpatched huggingface_hub client.
+"""The fake Hub in tests/support/hubserver.py, exercised by the real, unpatched huggingface_hub client.
 
 These tests also pin down what huggingface_hub 2.4 itself does on faults, because edgellm's
 downloader is built on those facts:
@@ -28,12 +28,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from hubserver import DEFAULT_SHA, HubServer  # noqa: E402
-
-from huggingface_hub import HfApi, hf_hub_download  # noqa: E402
-from huggingface_hub.errors import (  # noqa: E402
+from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
     HfHubHTTPError,
@@ -41,6 +37,7 @@ from huggingface_hub.errors import (  # noqa: E402
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from support.hubserver import DEFAULT_SHA, HubServer
 
 REPO = "edge/tiny"
 MiB = 1024 * 1024
@@ -220,7 +217,7 @@ def test_hf_endpoint_env_and_killed_download(hub: HubServer, big: bytes, tmp_pat
 def test_cli_serves_files(tmp_path: Path, small: bytes):
     f = tmp_path / "w.gguf"
     f.write_bytes(small)
-    cli = Path(__file__).with_name("hubserver.py")
+    cli = Path(__file__).parent / "support" / "hubserver.py"
     proc = subprocess.Popen(
         [sys.executable, str(cli), "--port", "0", "--repo", "o/n", str(f)], stdout=subprocess.PIPE, text=True
     )

@@ -24,9 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from helpers import WIKITEXT  # noqa: E402
-from tiny_gguf import write_tiny_llama  # noqa: E402
+from support.gguf_files import write_tiny_llama
+from support.helpers import WIKITEXT
 
 ROOT = Path(__file__).resolve().parent.parent
 

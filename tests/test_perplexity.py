@@ -7,23 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error
-from tiny_llama import make_tiny_llama
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="session")
-def llama_bin() -> Path:
-    """llama.cpp's own tools, built from the same vendored tree and CPU flags."""
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_tools.sh")], capture_output=True, text=True, timeout=3600)
-    assert proc.returncode == 0, f"building llama.cpp's tools failed: {proc.stderr[-2000:]}"
-    return Path(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-f32.gguf")
+from support.helpers import DEFAULT_NAME, assert_one_line_error
 
 
 def llama_ppl(llama_bin: Path, model: Path, text: Path, *, ctx: int, chunks: int, batch: int, threads: int) -> float:
@@ -37,15 +21,15 @@ def llama_ppl(llama_bin: Path, model: Path, text: Path, *, ctx: int, chunks: int
     return float(m.group(1)), float(m.group(2))
 
 
-def test_ppl_equals_llama_perplexity(cli, default_model, default_gguf, wikitext, llama_bin):
+def test_ppl_equals_llama_perplexity(cli, default_model, default_gguf, wikitext, llama_tools):
     from edgellm.engine.runtime import default_threads
 
     t = default_threads()
-    res = cli("ppl", "smollm2-135m-instruct-q4_1", "--text", wikitext, "--ctx", "256", "--chunks", "4", "--batch", "1024",
+    res = cli("ppl", DEFAULT_NAME, "--text", wikitext, "--ctx", "256", "--chunks", "4", "--batch", "1024",
               "--threads", t, "--json", "--no-progress")
     assert res.exit_code == 0, res
     d = res.json()
-    ref, ref_err = llama_ppl(llama_bin, default_gguf, wikitext, ctx=256, chunks=4, batch=1024, threads=t)
+    ref, ref_err = llama_ppl(llama_tools, default_gguf, wikitext, ctx=256, chunks=4, batch=1024, threads=t)
     assert abs(d["ppl"] / ref - 1) < 5e-4, (d["ppl"], ref)
     assert abs(d["ppl_err"] / ref_err - 1) < 1e-3, (d["ppl_err"], ref_err)
     assert d["n_chunks"] == 4 and d["ctx"] == 256 and d["corpus"] == "wiki.test.raw"
@@ -54,25 +38,25 @@ def test_ppl_equals_llama_perplexity(cli, default_model, default_gguf, wikitext,
     assert 5 < d["ppl"] < 200  # a real language model on English text, not noise
 
 
-def test_batch_layout_does_not_change_the_result(tiny_gguf):
+def test_batch_layout_does_not_change_the_result(tiny_f32):
     from quant.perplexity import perplexity
 
     # One chunk per decode, 4 chunks per decode, and 2 decodes per chunk: the same PPL.
-    a = perplexity(tiny_gguf, corpus="python-docs", ctx=128, chunks=8, batch=512)
-    b = perplexity(tiny_gguf, corpus="python-docs", ctx=128, chunks=8, batch=128)
-    c = perplexity(tiny_gguf, corpus="python-docs", ctx=128, chunks=8, batch=64)
+    a = perplexity(tiny_f32, corpus="python-docs", ctx=128, chunks=8, batch=512)
+    b = perplexity(tiny_f32, corpus="python-docs", ctx=128, chunks=8, batch=128)
+    c = perplexity(tiny_f32, corpus="python-docs", ctx=128, chunks=8, batch=64)
     assert a.n_tokens_scored == b.n_tokens_scored == c.n_tokens_scored == 8 * 63
     assert abs(a.ppl / b.ppl - 1) < 1e-4 and abs(a.ppl / c.ppl - 1) < 1e-4, (a.ppl, b.ppl, c.ppl)
     assert a.corpus == "python-docs" and a.ppl_err > 0
 
 
-def test_progress_and_cancel(tiny_gguf):
+def test_progress_and_cancel(tiny_f32):
     from edgellm.errors import Cancelled
     from edgellm.progress import CancelToken
     from quant.perplexity import perplexity
 
     events = []
-    perplexity(tiny_gguf, corpus="python-docs", ctx=128, chunks=6, batch=256, on_progress=events.append)
+    perplexity(tiny_f32, corpus="python-docs", ctx=128, chunks=6, batch=256, on_progress=events.append)
     chunk_events = [e for e in events if e.unit == "chunk"]
     assert chunk_events[-1].done == chunk_events[-1].total == 6
     assert "PPL" in chunk_events[-1].message
@@ -86,11 +70,11 @@ def test_progress_and_cancel(tiny_gguf):
             token.cancel()
 
     with pytest.raises(Cancelled):
-        perplexity(tiny_gguf, corpus="python-docs", ctx=128, chunks=8, batch=256, on_progress=stop_after_first, cancel=token)
+        perplexity(tiny_f32, corpus="python-docs", ctx=128, chunks=8, batch=256, on_progress=stop_after_first, cancel=token)
     assert max(seen) < 8
 
 
-def test_ppl_errors_are_one_line(cli, tiny_gguf, tmp_path, monkeypatch):
+def test_ppl_errors_are_one_line(cli, tiny_f32, tmp_path, monkeypatch):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     binary = tmp_path / "blob.bin"
@@ -109,16 +93,16 @@ def test_ppl_errors_are_one_line(cli, tiny_gguf, tmp_path, monkeypatch):
         (["--corpus", "python-docs", "--threads", "0"], "--threads"),
         (["--corpus", "python-docs", "--chunks", "0"], "--chunks"),
     ):
-        res = cli("ppl", tiny_gguf, *args, "--no-progress")
+        res = cli("ppl", tiny_f32, *args, "--no-progress")
         assert_one_line_error(res)
         assert needle in res.stderr, (needle, res)
     monkeypatch.setenv("EDGELLM_CORPUS_DIR", str(tmp_path / "no-corpora"))
-    res = cli("ppl", tiny_gguf, "--corpus", "wikitext-2", "--no-progress")
+    res = cli("ppl", tiny_f32, "--corpus", "wikitext-2", "--no-progress")
     assert_one_line_error(res)
     assert "not shipped" in res.stderr and "EDGELLM_CORPUS_DIR" in res.stderr
 
 
-def test_wikitext_corpus_name_resolves(tiny_gguf, wikitext, monkeypatch):
+def test_wikitext_corpus_name_resolves(tiny_f32, wikitext, monkeypatch):
     from quant.perplexity import load_text
 
     monkeypatch.setenv("EDGELLM_CORPUS_DIR", str(wikitext.parent.parent))

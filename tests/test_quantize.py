@@ -8,8 +8,8 @@ import signal
 import time
 
 import pytest
-from helpers import DEFAULT_NAME, assert_one_line_error, store_snapshot
-from quant_fixtures import F16_NAME, f16_model, f16_session, start_cli, wait_for_partial  # noqa: F401 (fixtures)
+from support.helpers import DEFAULT_NAME, assert_one_line_error, start_cli, store_snapshot
+from support.quant_fixtures import F16_NAME, wait_for_partial
 
 FOUR = ["q4_0", "q4_k_m", "q5_k_m", "q8_0"]
 

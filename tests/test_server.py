@@ -24,7 +24,7 @@ import jsonschema  # the `test` extra: a missing client must fail the run, not s
 import openai
 import pytest
 
-from helpers import DEFAULT_NAME, assert_one_line_error
+from support.helpers import DEFAULT_NAME, assert_one_line_error
 
 KEY = "test-key-123"
 SECOND = "smollm2-copy"  # the same file under a second store name, to exercise LRU eviction

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import pytest_textual_snapshot
-from helpers import DEFAULT_NAME
+from support.helpers import DEFAULT_NAME
 
 from edgellm.models.store import Store
 
@@ -272,12 +272,8 @@ def test_snapshot(snap_compare, key, name, edgellm_home):
 def test_evaluate_screen_runs_an_evaluation_and_shows_results(tmp_path):
     # A genuinely float tiny llama keeps this fast; the real default model's
     # evaluation is covered in tests/test_eval.py.
-    import sys as _sys
-
+    from support.gguf_files import write_tiny_llama
     from textual.widgets import DataTable, Input
-
-    _sys.path.insert(0, str(Path(__file__).parent))
-    from tiny_gguf import write_tiny_llama
 
     from edgellm.models.resolve import import_file
 

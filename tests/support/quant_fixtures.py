@@ -8,16 +8,16 @@ in this module so both test files share one conversion.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-F16_NAME = "smollm2-135m-instruct-f16"
+from support.helpers import DEFAULT_NAME, DEFAULT_REF
+
+F16_NAME = f"{DEFAULT_REF}-f16"
 _cache: dict[str, object] = {}
 
 
@@ -35,8 +35,8 @@ def f16_session(default_gguf, tmp_path_factory):
             mp.setenv("EDGELLM_HOME", str(home))
             store = Store()
             info = read_gguf(default_gguf)
-            store.register(record_from_info("smollm2-135m-instruct-q4_1", info, [str(default_gguf)], "-", catalog="smollm2-135m-instruct"))
-            result = convert("smollm2-135m-instruct-q4_1", "f16", store=store)
+            store.register(record_from_info(DEFAULT_NAME, info, [str(default_gguf)], "-", catalog=DEFAULT_REF))
+            result = convert(DEFAULT_NAME, "f16", store=store)
         _cache["f16"] = (result, home)
     return _cache["f16"]
 
@@ -54,15 +54,6 @@ def f16_model(f16_session, default_model):
     data["files"] = [str(result.path)]
     data["file_sha256"] = {str(result.path): rec.sha256}
     return Store().register(ModelRecord.from_json(data))
-
-
-def start_cli(*args: str, env: dict | None = None, preexec_fn=None) -> subprocess.Popen:
-    """The CLI in a child process we can signal (cli_subprocess waits for it)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "edgellm.cli", *map(str, args)],
-        env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=preexec_fn,
-    )
 
 
 def wait_for_partial(folder: Path, proc: subprocess.Popen, *, min_bytes: int = 1, timeout: float = 60) -> Path:
