@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "recommend": ("eval", "recommend_cmd", "The best measured level that fits this machine."),
     "bench": ("bench", "bench_cmd", "Tokens/s and memory, beside llama-bench."),
     "serve": ("serve", "serve_cmd", "Serve the store over an OpenAI-compatible API."),
+    "worker": ("worker", "worker_cmd", "Run a llama.cpp RPC worker that hosts split models onto (--rpc)."),
     "tui": ("tui", "tui_cmd", "Open the terminal UI (also: `edgellm` with no arguments)."),
 }
 
