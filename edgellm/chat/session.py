@@ -177,7 +177,7 @@ class ChatSession:
         self.last_stats = st
         sampling = dataclasses.replace(self.sampling, stop=list(self.sampling.stop) + self.template.stop_strings)
         if self.constraint is not None:
-            sampling.grammar = self.constraint.grammar()
+            sampling.grammar = self.constraint.gbnf
         pieces: list[str] = []
         inner = self.runtime.stream(prompt, sampling, cancel=cancel, stats=st)
         finished = False

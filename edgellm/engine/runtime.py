@@ -4,11 +4,11 @@ One `Runtime` wraps one `llama_cpp.Llama`. Chat, bench, the server and the
 TUI all drive models through it, so options (threads, ctx, GPU layers, mmap,
 KV type) mean the same everywhere.
 
-KV reuse: `generate()` hands llama-cpp-python the whole token sequence;
-llama-cpp-python keeps the longest common prefix with what is already in the
-KV cache and evaluates only the rest. The counters in `GenerationStats` come
-from llama.cpp's own perf counters, so a caller can check that turn N of a
-conversation evaluated only its new tokens.
+Generation runs edgellm's own decode loop (`edgellm.engine.decode`) on the
+llama.cpp context llama-cpp-python created: the runtime remembers which
+tokens the KV cache holds, keeps the longest common prefix with the next
+prompt and evaluates only the rest, so turn N of a conversation evaluates
+only its new tokens (`GenerationStats` says how many).
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ class RuntimeOptions:
     n_threads: Optional[int] = None  # None: physical cores
     n_threads_batch: Optional[int] = None
     # memory / offload
-    n_gpu_layers: Union[int, str] = 0  # int, or "auto"
+    n_gpu_layers: Union[int, str] = 0  # int, or "auto"/"all"
+    gpu_device: Optional[str] = None  # index or name (edgellm.engine.gpu.find_device); None: auto, never a software device
+    gpu_mem: Optional[int] = None  # bytes edgellm may use on the device
     use_mmap: bool = True
     use_mlock: bool = False
     kv_type: str = "f16"
@@ -141,6 +143,7 @@ class Runtime:
         *,
         validate: bool = True,
         warn: Optional[Callable[[str], None]] = None,
+        on_plan: Optional[Callable[[Any], None]] = None,
     ) -> None:
         from edgellm.gguf.reader import read_gguf
 
@@ -167,7 +170,7 @@ class Runtime:
             n_ubatch=min(opts.n_ubatch, opts.n_batch, opts.n_ctx),
             n_threads=n_threads,
             n_threads_batch=opts.n_threads_batch or n_threads,
-            n_gpu_layers=resolve_gpu_layers(opts.n_gpu_layers, warn=warn or log.warning),
+            n_gpu_layers=0 if self.info is not None else resolve_gpu_layers(opts.n_gpu_layers, warn=warn or log.warning),
             use_mmap=opts.use_mmap,
             use_mlock=opts.use_mlock,
             seed=opts.seed,
@@ -181,13 +184,24 @@ class Runtime:
             kw["flash_attn"] = True
         elif opts.flash_attn is not None:
             kw["flash_attn"] = opts.flash_attn
-        self.n_gpu_layers = kw["n_gpu_layers"]
+        # The offload plan (edgellm.engine.gpu): layers, device and bytes, decided before loading.
+        self.gpu_plan = None
+        if self.info is not None:
+            from edgellm.engine.gpu import plan_offload
+
+            self.gpu_plan = plan_offload(self.path, self.info, opts.n_gpu_layers, ctx=opts.n_ctx, kv_type=opts.kv_type,
+                                         n_ubatch=kw["n_ubatch"], gpu_device=opts.gpu_device, gpu_mem=opts.gpu_mem)
+            for note in self.gpu_plan.notes:
+                (warn or log.warning)(note)
+            if on_plan is not None:
+                on_plan(self.gpu_plan)
+            kw.update(self.gpu_plan.llama_kwargs())
         t0 = time.perf_counter()
-        try:
-            with silence_native_stderr(enabled=not opts.verbose):
-                self.llm = llama_cpp.Llama(**kw)
-        except (ValueError, RuntimeError, OSError) as e:
-            raise RuntimeFailure(f"llama.cpp could not load {self.path.name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        from edgellm.engine.gpu import load_llama
+
+        self.llm, self.load_log, self.gpu_plan = load_llama(kw, self.gpu_plan, name=self.path.name, verbose=opts.verbose,
+                                                            warn=warn or log.warning)
+        self.n_gpu_layers = self.gpu_plan.n_gpu_layers if self.gpu_plan is not None else kw["n_gpu_layers"]
         self.load_seconds = time.perf_counter() - t0
         self.n_threads = n_threads
 
@@ -206,7 +220,7 @@ class Runtime:
     @property
     def n_cached(self) -> int:
         """Tokens currently held in the KV cache."""
-        return int(self.llm.n_tokens)
+        return len(getattr(self, "_kv", ()))
 
     def kv_cache_bytes(self, n_ctx: Optional[int] = None, *, kv_type: Optional[str] = None) -> int:
         """K and V for all layers at `n_ctx` tokens (the whole context by default) in the cache type."""
@@ -252,41 +266,21 @@ class Runtime:
             size = -n + 1
 
     def cached_tokens(self) -> list[int]:
-        """The token sequence now held in the KV cache."""
-        return [int(t) for t in self.llm.input_ids[: self.llm.n_tokens]]
+        """The token sequence now held in the KV cache (sequence 0, the one `stream` uses)."""
+        return list(getattr(self, "_kv", ()))
 
     def check_grammar(self, gbnf: str) -> None:
-        """Parse a GBNF grammar with llama.cpp's parser; a bad one → one-line UsageError.
+        """Parse a GBNF grammar with llama.cpp's parser; a bad one → one-line UsageError."""
+        from edgellm.engine.decode import check_grammar
 
-        llama.cpp prints parse errors to stderr and returns NULL, and
-        llama-cpp-python would hand that NULL to the sampler chain later, so
-        check it up front with stderr captured for the message.
-        """
-        import llama_cpp
-
-        if not gbnf.strip():
-            raise UsageError("the grammar is empty")
-        logged: list[str] = []
-
-        @llama_cpp.llama_log_callback
-        def on_log(level, text, _user):  # some parse errors go to the log, not stderr
-            logged.append(text.decode("utf-8", "replace") if text else "")
-
-        from llama_cpp import _logger
-
-        llama_cpp.llama_log_set(on_log, None)
-        try:
-            with capture_native_stderr() as captured:
-                smpl = llama_cpp.llama_sampler_init_grammar(self.llm._model.vocab, gbnf.encode("utf-8"), b"root")
-        finally:
-            llama_cpp.llama_log_set(_logger.llama_log_callback, None)
-        if not smpl:
-            raise UsageError("invalid grammar: " + _grammar_error(captured.text + "\n" + "".join(logged)))
-        llama_cpp.llama_sampler_free(smpl)
+        check_grammar(self.llm._model.vocab, gbnf)
 
     def reset(self) -> None:
-        self.llm.reset()
-        self.llm._ctx.kv_cache_clear() if hasattr(self.llm._ctx, "kv_cache_clear") else None
+        """Forget the KV cache."""
+        import llama_cpp
+
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.llm.ctx), True)
+        self._kv = []
 
     def perf_counters(self) -> tuple[int, int]:
         """(prompt tokens evaluated, tokens generated) since the last reset, from llama.cpp."""
@@ -302,6 +296,17 @@ class Runtime:
 
     # -- generation --------------------------------------------------------
 
+    def _engine(self) -> tuple[Any, Any, Any]:
+        """(ctx, vocab, batch) for the decode loop; the batch is allocated once per context."""
+        ctx = self.llm.ctx
+        if getattr(self, "_batch_ctx", None) is not ctx:
+            from edgellm.engine.decode import Batch
+
+            self._batch = Batch(max(1, min(self.options.n_batch, self.n_ctx)))
+            self._batch_ctx = ctx
+            self._kv = []
+        return ctx, self.llm._model.vocab, self._batch
+
     def stream(
         self,
         prompt_tokens: Sequence[int],
@@ -316,91 +321,94 @@ class Runtime:
         evaluated. Cancelling stops after the current token; the KV cache then
         holds the prompt and what was generated, and the runtime stays usable.
         """
+        from edgellm.engine.decode import Sampler, TextStream, common_prefix, decode_prompt
+
         s = sampling or SamplingParams()
         st = stats if stats is not None else GenerationStats()
         prompt = list(prompt_tokens)
         if not prompt:
             raise UsageError("empty prompt")
-        if len(prompt) >= self.n_ctx:
-            raise UsageError(f"the prompt is {len(prompt)} tokens but the context holds {self.n_ctx}; raise --ctx or shorten it")
-        max_new = min(s.max_tokens if s.max_tokens and s.max_tokens > 0 else self.n_ctx, self.n_ctx - len(prompt))
+        n_ctx = self.n_ctx
+        if len(prompt) >= n_ctx:
+            raise UsageError(f"the prompt is {len(prompt)} tokens but the context holds {n_ctx}; raise --ctx or shorten it")
+        max_new = min(s.max_tokens if s.max_tokens and s.max_tokens > 0 else n_ctx, n_ctx - len(prompt))
+        ctx, vocab, batch = self._engine()
+        import llama_cpp
+
+        # Keep the longest common prefix in the KV cache; the last prompt token is always
+        # evaluated again when everything matched, since its logits are needed.
+        keep = min(common_prefix(self._kv, prompt), len(prompt) - 1)
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), 0, keep, -1)
+        del self._kv[keep:]
         # Without a seed, fall back to the load-time seed (random by default) so
         # one seeded call does not make every later call deterministic.
-        self.llm.set_seed(int(s.seed if s.seed is not None else self.options.seed) & 0xFFFFFFFF)
+        sampler = Sampler(vocab, s, default_seed=self.options.seed)
+        text = TextStream(vocab, s.stop)
         st.prompt_tokens = len(prompt)
+        st.reused_tokens = keep
+        st.evaluated_prompt_tokens = len(prompt) - keep
+        st.stop_reason = "length"
         self._reset_perf()
-        eos = {self.llm.token_eos()}
-        eot = getattr(self.llm._model, "token_eot", lambda: -1)()
-        if eot is not None and eot >= 0:
-            eos.add(eot)
-        decoder = _Utf8Decoder(self.llm)
-        out_text = ""
-        held = ""  # text held back because it may be the start of a stop string
+        kv = self._kv
+        n_gen = 0
         t0 = time.perf_counter()
         t_first = None
-        gen = self.llm.generate(
-            prompt, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, temp=s.temperature,
-            repeat_penalty=s.repeat_penalty, grammar=s.grammar,
-        )
-        st.stop_reason = "length"
-        n_gen = 0
         try:
-            for tok in gen:
+            if not decode_prompt(ctx, batch, prompt[keep:], keep, cancel=cancel):
+                st.stop_reason = "cancelled"
+                return
+            kv.extend(prompt[keep:])
+            sample, is_eog, push = sampler.sample, llama_cpp.llama_vocab_is_eog, text.push
+            add, decode = batch.add, batch.decode
+            while True:
+                tok = sample(ctx, -1)
                 if t_first is None:
                     t_first = time.perf_counter()
-                    st.ttft_seconds = t_first - t0
-                    st.prompt_seconds = st.ttft_seconds
-                    p_eval, _ = self.perf_counters()
-                    st.evaluated_prompt_tokens = p_eval
-                    st.reused_tokens = len(prompt) - p_eval
-                if tok in eos or self.llm._model.token_is_eog(tok) if hasattr(self.llm._model, "token_is_eog") else tok in eos:
+                    st.ttft_seconds = st.prompt_seconds = t_first - t0
+                if is_eog(vocab, tok):
                     st.stop_reason = "eos"
                     break
                 n_gen += 1
                 st.generated_tokens = n_gen
-                piece = decoder.push(tok)
+                piece = push(tok)
                 if piece:
-                    held += piece
-                    hit = _find_stop(held, s.stop)
-                    if hit is not None:
-                        emit = held[:hit]
-                        if emit:
-                            out_text += emit
-                            yield emit
-                        held = ""
-                        st.stop_reason = "stop"
-                        break
-                    keep = _stop_prefix_len(held, s.stop)
-                    emit, held = held[: len(held) - keep], held[len(held) - keep:]
-                    if emit:
-                        out_text += emit
-                        yield emit
+                    yield piece
+                if text.stopped:
+                    st.stop_reason = "stop"
+                    break
                 if cancel is not None and cancel.cancelled:
                     st.stop_reason = "cancelled"
                     break
                 if n_gen >= max_new:
-                    st.stop_reason = "length"
                     break
+                batch.clear()
+                add(tok, len(kv), 0, True)
+                if decode(ctx) != 0:
+                    break  # the KV cache is full: a "length" stop
+                kv.append(tok)
         finally:
-            gen.close()
+            sampler.close()
             now = time.perf_counter()
             if t_first is not None:
                 st.generation_seconds = now - t_first
             else:
                 st.prompt_seconds = now - t0
-        if held and st.stop_reason != "stop":
-            yield held
+        tail = text.flush()
+        if tail:
+            yield tail
 
     def complete(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None, *, cancel: Optional[CancelToken] = None) -> tuple[str, GenerationStats]:
         st = GenerationStats()
         text = "".join(self.stream(prompt_tokens, sampling, cancel=cancel, stats=st))
-        if st.stop_reason == "cancelled" and cancel is not None:
-            pass
         return text, st
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None:
+            batch = getattr(self, "_batch", None)
+            if batch is not None:
+                batch.close()
+                self._batch = self._batch_ctx = None
             llm.close()
             self.llm = None  # type: ignore[assignment]
 
@@ -409,43 +417,6 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _Utf8Decoder:
-    """Detokenize token by token without splitting multi-byte characters."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-        self.buf = b""
-
-    def push(self, tok: int) -> str:
-        self.buf += self.llm.detokenize([tok])
-        try:
-            text = self.buf.decode("utf-8")
-        except UnicodeDecodeError as e:
-            if len(self.buf) - e.start < 4:  # an incomplete trailing sequence: wait
-                text = self.buf[: e.start].decode("utf-8", "replace")
-                self.buf = self.buf[e.start:]
-                return text
-            text = self.buf.decode("utf-8", "replace")
-        self.buf = b""
-        return text
-
-
-def _find_stop(text: str, stops: list[str]) -> Optional[int]:
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                best = max(best, k)
-                break
-    return best
 
 
 class _Captured:
@@ -507,16 +478,6 @@ def silence_native_stderr(*, enabled: bool = True) -> Iterator[None]:
             sys.stderr = old_stderr
             with contextlib.suppress(Exception):
                 replacement.close()
-
-
-def _grammar_error(text: str) -> str:
-    """The first useful line of llama.cpp's grammar parser output."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    for ln in lines:
-        if "error parsing grammar" in ln or "parse:" in ln or "Undefined rule" in ln or "root" in ln:
-            msg = ln.split("error parsing grammar:", 1)[-1].strip()
-            return msg.rstrip(".")[:200]
-    return (lines[0][:200] if lines else "llama.cpp could not parse it")
 
 
 __all__ = [
