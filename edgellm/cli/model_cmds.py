@@ -132,25 +132,96 @@ def export_cmd(names, dest: Path, as_json: bool) -> None:
 
 
 @click.command("import")
-@click.argument("path", type=click.Path(path_type=Path))
-@click.option("--name", default=None, help="Name in the store (default: from the file name).")
+@click.argument("args", nargs=-1, metavar="PATH | [--from TOOL] [NAME...]")
+@click.option("--from", "tool", type=click.Choice(["ollama", "lmstudio", "hf"]), default=None,
+              help="Another tool's store: list its GGUF models, or import the NAMEs given.")
+@click.option("--dir", "root", type=click.Path(path_type=Path), default=None,
+              help="With --from: the tool's store folder (default: OLLAMA_MODELS or ~/.ollama/models; "
+                   "LM Studio's models folder; HF_HUB_CACHE or HF_HOME/hub).")
+@click.option("--link", is_flag=True, help="Register the file where it is (a hard link on the same file system, "
+              "else a reference) instead of copying it; `edgellm rm` never deletes the original.")
+@click.option("--name", default=None, help="Name in the store (default: from the file or the tool's name).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def import_cmd(path: Path, name, as_json: bool) -> None:
-    """Import a GGUF file (validated first), or an export bundle folder."""
+def import_cmd(args, tool, root, link: bool, name, as_json: bool) -> None:
+    """Import a GGUF file (validated first), an export bundle folder, or the
+    models of Ollama, LM Studio or the Hugging Face cache.
+
+    \b
+    Examples:
+      edgellm import ~/Downloads/model.Q4_K_M.gguf
+      edgellm import /media/usb/models                  # a bundle from `edgellm export`
+      edgellm import --from ollama                      # list Ollama's models
+      edgellm import --from ollama smollm2:135m --link  # register without a second copy
+    """
+    from edgellm.errors import UsageError
+
+    if tool:
+        return _import_foreign(tool, list(args), root, link, name, as_json)
+    if root:
+        raise UsageError("--dir goes with --from")
+    if len(args) != 1:
+        raise UsageError("import takes one PATH (a GGUF file or a bundle folder), or --from TOOL [NAME...]")
+    path = Path(args[0])
     from edgellm.models.resolve import import_file
 
     with running_job(not as_json) as (bar, token):
         if path.is_dir():
+            if link:
+                raise UsageError("--link is for a GGUF file or --from; a bundle is always copied")
             from edgellm.models import bundle
 
             recs = bundle.import_bundle(path, on_progress=bar, cancel=token)
         else:
-            recs = [import_file(path, name=name, on_progress=bar, cancel=token)]
+            recs = [import_file(path, name=name, link=link, on_progress=bar, cancel=token)]
+    _report_imported(recs, as_json)
+
+
+def _report_imported(recs, as_json: bool) -> None:
     if as_json:
         emit_json([r.to_json() for r in recs])
-    else:
-        for r in recs:
-            click.echo(f"imported {r.name}: {r.level}, {r.parameters / 1e6:.0f}M parameters, sha256 {r.sha256[:12]}...")
+        return
+    for r in recs:
+        how = f", linked ({r.link['mode']}) to {r.link['origin']}" if r.link else ""
+        click.echo(f"imported {r.name}: {r.level}, {r.parameters / 1e6:.0f}M parameters, sha256 {r.sha256[:12]}...{how}")
+
+
+def _import_foreign(tool: str, names: list[str], root, link: bool, name, as_json: bool) -> None:
+    from edgellm.errors import UsageError
+    from edgellm.models import foreign
+
+    found = foreign.discover(tool, root)
+    if not names:
+        if as_json:
+            emit_json([m.to_json() for m in found])
+            return
+        _list_foreign(tool, found, root)
+        return
+    if name and len(names) > 1:
+        raise UsageError("--name needs exactly one NAME")
+    chosen = foreign.select(found, names)
+    recs = []
+    with running_job(not as_json) as (bar, token):
+        for m in chosen:
+            recs.append(foreign.import_foreign(m, link=link, name=name, on_progress=bar, cancel=token))
+    _report_imported(recs, as_json)
+
+
+def _list_foreign(tool: str, found, root) -> None:
+    from edgellm.errors import GGUFError
+    from edgellm.fsutil import human_size
+    from edgellm.gguf.reader import read_gguf
+    from edgellm.models import foreign
+
+    where = root or foreign.default_root(tool)
+    click.echo(f"{foreign.LABELS[tool]} store ({where}): {len(found)} GGUF model(s)")
+    for m in found:
+        try:
+            level = read_gguf(m.files[0].resolve(), check=False).level
+        except (GGUFError, OSError):
+            level = "?"
+        click.echo(f"  {m.name:<40} -> {m.store_name:<32} {level:<8} {human_size(m.size_bytes):>9}  {m.files[0]}")
+    if found:
+        click.echo(f"import with: edgellm import --from {tool} [--link] NAME...")
 
 
 @click.command("rm")
@@ -165,7 +236,8 @@ def rm_cmd(names, as_json: bool) -> None:
         emit_json([r.to_json() for r in removed])
     else:
         for r in removed:
-            click.echo(f"removed {r.name}")
+            kept = f" ({r.link['origin']} stays where it is)" if r.link else ""
+            click.echo(f"removed {r.name}{kept}")
 
 
 @click.command("inspect")

@@ -22,7 +22,8 @@ from edgellm.errors import (
 )
 from edgellm.gguf.reader import GGUFInfo, split_set, validate_for_import
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
-from edgellm.models.store import ModelRecord, Store, copy_into_store, validate_name
+from edgellm.fsutil import sha256_file
+from edgellm.models.store import ModelRecord, Store, copy_into_store, link_into_store, validate_name
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +112,12 @@ def import_file(
     source: Optional[str] = None,
     parent: Optional[str] = None,
     catalog: Optional[str] = None,
+    link: bool = False,
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
 ) -> ModelRecord:
-    """Validate a GGUF (or split set) with gguf-py, copy it into the store, register it."""
+    """Validate a GGUF (or split set), copy it into the store (or with `link`,
+    register it where it is: store.link_into_store), register it."""
     store = store or Store()
     path = Path(path).expanduser()
     if not path.exists():
@@ -129,17 +132,27 @@ def import_file(
     name = validate_name(name or _default_import_name(path, info))
     if store.find(name):
         raise ModelExists(f"a model named '{name}' already exists (use --name to pick another)")
-    targets, shas, total = [], {}, 0
+    targets, files, shas, total, extra = [], [], {}, 0, {}
     try:
         for s in shards:
-            target, n, sha = copy_into_store(store, s, name, on_progress=on_progress, cancel=cancel)
-            targets.append(target)
-            shas[store.relative(target)] = sha
+            if link:
+                sha = sha256_file(s, on_progress=on_progress, cancel=cancel, task=f"sha256 {s.name}")
+                entry, mode = link_into_store(store, s, name, filename=s.name)
+                if mode == "hardlink":
+                    targets.append(store.models_dir / entry)
+                extra["link"] = {"mode": mode if extra.get("link", {}).get("mode") != "reference" else "reference",
+                                 "tool": "file", "origin": str(shards[0].resolve())}
+                n = s.stat().st_size
+            else:
+                target, n, sha = copy_into_store(store, s, name, on_progress=on_progress, cancel=cancel)
+                targets.append(target)
+                entry = store.relative(target)
+            files.append(entry)
+            shas[entry] = sha
             total += n
-        files = [store.relative(t) for t in targets]
         rec = record_from_info(
             name, info, files, shas[files[0]], size_bytes=total,
-            source=source or f"import:{path.resolve()}", parent=parent, catalog=catalog, file_sha256=shas,
+            source=source or f"import:{path.resolve()}", parent=parent, catalog=catalog, file_sha256=shas, extra=extra,
         )
         return store.register(rec)
     except BaseException:

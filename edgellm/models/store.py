@@ -63,6 +63,13 @@ class ModelRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def link(self) -> Optional[dict[str, Any]]:
+        """How a linked model's files relate to the other tool's: {"mode": "hardlink" |
+        "reference", "origin": path, "tool": ...}; None for a file the store copied."""
+        link = self.extra.get("link")
+        return link if isinstance(link, dict) else None
+
+    @property
     def path(self) -> Path:
         """The file llama.cpp opens (the first shard of a split set)."""
         return self.paths[0]
@@ -242,4 +249,39 @@ def copy_into_store(store: Store, src: Path, name: str, *, filename: Optional[st
     return target, n, sha
 
 
-__all__ = ["ModelRecord", "Store", "validate_name", "copy_into_store"]
+def link_into_store(store: Store, src: Path, name: str, *, filename: str) -> tuple[str, str]:
+    """Register `src` where it is, using no disk: returns (the entry for
+    ModelRecord.files, "hardlink" | "reference").
+
+    A hard link in the model's folder when the store is on the same file
+    system: the store then owns a name for the bytes, so removing the model
+    unlinks that name and the other tool's file stays, and the bytes outlive
+    the other tool deleting its own name. Across file systems (or where the
+    kernel refuses to link another user's file) the absolute path is recorded
+    instead: the store never deletes a file outside its folder, and
+    `verify()`/resolve report the reference when it goes missing.
+    """
+    import errno
+    import os
+
+    src = src.resolve()  # a Hugging Face snapshot entry is a symlink to its blob
+    folder = store.model_folder(name)
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / filename
+    try:
+        os.link(src, target)
+        return store.relative(target), "hardlink"
+    except FileExistsError:
+        raise ModelExists(f"{target} already exists; remove it or pick another --name") from None
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EACCES, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise StoreError(f"cannot link {src} into the store: {e.strerror}") from None
+        log.info("no hard link for %s (%s); recording a reference", src, e.strerror)
+        if created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        return str(src), "reference"
+
+
+__all__ = ["ModelRecord", "Store", "validate_name", "copy_into_store", "link_into_store"]
