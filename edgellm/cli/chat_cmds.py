@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import click
 
+from edgellm.cli.worker_cmds import prepare_rpc, rpc_options
+
 log = logging.getLogger(__name__)
 
 HELP = """\
@@ -28,6 +30,12 @@ HELP = """\
 
 def _warn(msg: str) -> None:
     click.echo(f"warning: {msg}", err=True)
+
+
+def _show_plan(plan) -> None:
+    """The offload plan, on stderr before loading, whenever offload was asked for."""
+    if plan.requested != "0" or plan.device is not None:
+        click.echo(plan.describe(), err=True)
 
 
 @click.command("chat")
@@ -45,7 +53,9 @@ def _warn(msg: str) -> None:
 @click.option("--stop", multiple=True, help="Stop the reply at this text (repeatable).")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: physical cores).")
 @click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True, help="Context size in tokens.")
-@click.option("--gpu-layers", default="0", show_default=True, help="Layers to offload: N, auto or 0.")
+@click.option("--gpu-layers", default="0", show_default=True, help="Layers to offload: N, all, auto (what fits) or 0.")
+@click.option("--gpu-device", default=None, help="GPU device index or name (see `edgellm doctor`); needed for a software device.")
+@click.option("--gpu-mem", default=None, metavar="SIZE", help="Most memory to use on the device, e.g. 512M or 4G.")
 @click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="KV cache type (q8_0/q4_0 use less memory).")
 @click.option("--mlock", is_flag=True, help="Lock the model in RAM.")
 @click.option("--no-mmap", is_flag=True, help="Read the model into memory instead of mapping it.")
@@ -58,11 +68,13 @@ def _warn(msg: str) -> None:
 @click.option("--export", "export_id", metavar="ID", help="Print a saved session as Markdown.")
 @click.option("--delete", "delete_id", metavar="ID", help="Delete a saved session.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="With --export: write to this file.")
+@rpc_options
 def chat_cmd(model: Optional[str], prompt: Optional[str], system: Optional[str], as_json: bool, temperature: float, top_k: int,
              top_p: float, min_p: float, repeat_penalty: float, seed: Optional[int], max_tokens: int, stop: tuple[str, ...],
-             threads: Optional[int], n_ctx: int, gpu_layers: str, kv_type: str, mlock: bool, no_mmap: bool, force: bool,
+             threads: Optional[int], n_ctx: int, gpu_layers: str, gpu_device: Optional[str], gpu_mem: Optional[str], kv_type: str, mlock: bool, no_mmap: bool, force: bool,
              json_schema: Optional[str], grammar: Optional[str], resume_id: Optional[str], no_history: bool,
-             list_sessions: bool, export_id: Optional[str], delete_id: Optional[str], output: Optional[str]) -> None:
+             list_sessions: bool, export_id: Optional[str], delete_id: Optional[str], output: Optional[str],
+             rpc: Optional[str] = None, rpc_split: Optional[str] = None) -> None:
     """Chat with MODEL: interactive, or one-shot with -p.
 
     \b
@@ -93,11 +105,15 @@ def chat_cmd(model: Optional[str], prompt: Optional[str], system: Optional[str],
     elif grammar:
         constraint = structured.load_file(grammar, kind="grammar")
     resolved = resolve(model)
-    opts = RuntimeOptions(n_ctx=n_ctx, n_threads=threads, n_gpu_layers=gpu_layers, kv_type=kv_type, use_mlock=mlock, use_mmap=not no_mmap,
-                          force=force)
+    from edgellm.engine.gpu import parse_size
+
+    opts = RuntimeOptions(n_ctx=n_ctx, n_threads=threads, n_gpu_layers=gpu_layers, gpu_device=gpu_device,
+                          gpu_mem=parse_size(gpu_mem), kv_type=kv_type, use_mlock=mlock, use_mmap=not no_mmap,
+                          force=force, rpc=rpc, rpc_split=rpc_split)
+    rpc_plan = prepare_rpc(resolved.path, rpc, rpc_split, n_ctx=n_ctx, kv_type=kv_type, force=force)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                               seed=seed, max_tokens=max_tokens, stop=list(stop))
-    runtime = Runtime(resolved.path, opts, warn=_warn)
+    runtime = Runtime(resolved.path, opts, warn=_warn, rpc_plan=rpc_plan, on_plan=_show_plan)
     kw: dict[str, Any] = dict(sampling=sampling, constraint=constraint, model_name=resolved.label, warn=_warn,
                               history=False if no_history else None)
     try:
@@ -127,7 +143,8 @@ def chat_cmd(model: Optional[str], prompt: Optional[str], system: Optional[str],
                     "system": session.conversation.system, "messages": session.conversation.messages,
                     "reply": reply, "json": session.last_value, "stats": st, "load_seconds": round(runtime.load_seconds, 4),
                     "options": opts, "sampling": {k: v for k, v in sampling.__dict__.items() if k != "grammar"},
-                    "constraint": constraint.kind if constraint else None,
+                    "constraint": constraint.kind if constraint else None, "rpc_plan": rpc_plan,
+                    "gpu": runtime.gpu_report(),
                 })
             else:
                 click.echo(stats_line(st), err=True)

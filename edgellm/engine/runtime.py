@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 # Bytes per K/V element for each cache type (ggml block size / elements per block).
-from edgellm.engine.hardware import KV_BYTES_PER_ELEM as KV_BYTES_PER_ELEMENT  # noqa: E402  (one table for the RAM guard and /stats)
+from edgellm.engine.memory import DEFAULT_CTX, KV_BYTES_PER_ELEM as KV_BYTES_PER_ELEMENT, check_fits, estimate, kv_bytes_per_token  # noqa: E402
 
 
 def default_threads() -> int:
@@ -48,7 +48,7 @@ def default_threads() -> int:
 @dataclass
 class RuntimeOptions:
     # context
-    n_ctx: int = 2048
+    n_ctx: int = DEFAULT_CTX
     n_batch: int = 512
     n_ubatch: int = 512
     # threads
@@ -67,6 +67,9 @@ class RuntimeOptions:
     logits_all: bool = False
     verbose: bool = False
     force: bool = False  # load even when weights + KV exceed available RAM
+    # llama.cpp RPC workers (edgellm.engine.rpc): HOST:PORT[,...], and --split shares (this machine first)
+    rpc: Optional[str] = None
+    rpc_split: Optional[str] = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -144,20 +147,23 @@ class Runtime:
         validate: bool = True,
         warn: Optional[Callable[[str], None]] = None,
         on_plan: Optional[Callable[[Any], None]] = None,
+        rpc_plan: Any = None,
     ) -> None:
         from edgellm.gguf.reader import read_gguf
 
         self.path = Path(path)
         self.options = opts = options or RuntimeOptions()
-        self.info = read_gguf(self.path) if validate else None
-        if self.info is not None:
-            from edgellm.gguf.reader import check_tensor_data
-            from edgellm.engine.hardware import check_fits_ram
-
-            check_tensor_data(self.path)
-            check_fits_ram(self.info, opts.n_ctx, kv_type=opts.kv_type, force=opts.force)
         if opts.kv_type not in KV_TYPES:
             raise UsageError(f"unknown KV cache type {opts.kv_type!r} (expected one of {', '.join(KV_TYPES)})")
+        self.info = read_gguf(self.path) if validate else None
+        self.memory = None  # the MemoryEstimate the load guard checked (None without validation)
+        if self.info is not None:
+            from edgellm.gguf.reader import check_tensor_data
+
+            check_tensor_data(self.path)
+            self.memory = estimate(self.info, ctx=opts.n_ctx, kv_type=opts.kv_type, n_ubatch=opts.n_ubatch)
+            if not opts.rpc:  # split across workers: the RPC plan checks each device's share, this machine's too
+                check_fits(self.memory, self.path.name, force=opts.force, warn=warn or log.warning)
         if opts.n_ctx < 8:
             raise UsageError(f"context size {opts.n_ctx} is too small")
         import llama_cpp
@@ -186,7 +192,7 @@ class Runtime:
             kw["flash_attn"] = opts.flash_attn
         # The offload plan (edgellm.engine.gpu): layers, device and bytes, decided before loading.
         self.gpu_plan = None
-        if self.info is not None:
+        if self.info is not None and not opts.rpc:  # with --rpc the RPC plan places the layers
             from edgellm.engine.gpu import plan_offload
 
             self.gpu_plan = plan_offload(self.path, self.info, opts.n_gpu_layers, ctx=opts.n_ctx, kv_type=opts.kv_type,
@@ -199,8 +205,14 @@ class Runtime:
         t0 = time.perf_counter()
         from edgellm.engine.gpu import load_llama
 
-        self.llm, self.load_log, self.gpu_plan = load_llama(kw, self.gpu_plan, name=self.path.name, verbose=opts.verbose,
-                                                            warn=warn or log.warning)
+        self.rpc_plan = None
+        if opts.rpc:  # layers on llama.cpp RPC workers: planned (and the workers probed) before anything loads
+            from edgellm.engine import rpc_native
+
+            self.rpc_plan = rpc_plan or rpc_native.plan_for(self.path, opts)
+        with rpc_native.loading(self.rpc_plan, kw) if self.rpc_plan is not None else contextlib.nullcontext():
+            self.llm, self.load_log, self.gpu_plan = load_llama(kw, self.gpu_plan, name=self.path.name, verbose=opts.verbose,
+                                                                warn=warn or log.warning)
         self.n_gpu_layers = self.gpu_plan.n_gpu_layers if self.gpu_plan is not None else kw["n_gpu_layers"]
         self.load_seconds = time.perf_counter() - t0
         self.n_threads = n_threads
@@ -227,13 +239,19 @@ class Runtime:
         if self.info is None:
             return 0
         kt = kv_type or self.options.kv_type
-        return self.info.kv_cache_bytes(self.n_ctx if n_ctx is None else n_ctx, bytes_per_elem=KV_BYTES_PER_ELEMENT[kt])
+        return kv_bytes_per_token(self.info, kt) * (self.n_ctx if n_ctx is None else n_ctx)
 
     def state_bytes(self) -> int:
         """llama.cpp's own size of the context state (logits + the used KV cells, in the cache type)."""
         import llama_cpp
 
         return int(llama_cpp.llama_state_get_size(self.llm.ctx))
+
+    def gpu_report(self) -> dict[str, Any]:
+        """The offload plan and what llama.cpp reported allocating on the device and the host (its load log)."""
+        from edgellm.engine.gpu import allocation_report
+
+        return allocation_report(self.gpu_plan, getattr(self, "load_log", ""), self.n_gpu_layers)
 
     @property
     def add_bos(self) -> bool:

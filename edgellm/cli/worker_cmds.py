@@ -1,0 +1,164 @@
+"""`edgellm worker`: a llama.cpp RPC worker in the foreground, and the --rpc/--split options the
+model commands share."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Optional
+
+import click
+
+SECURITY = ("the RPC protocol has no authentication or encryption: anyone who can reach this port can "
+            "allocate memory and run computations on this machine; keep it on a trusted LAN or behind an SSH tunnel "
+            "(docs/rpc.md)")
+
+
+def rpc_options(f: Callable) -> Callable:
+    """--rpc and --split for chat, serve, bench, ppl and eval."""
+    f = click.option("--split", "rpc_split", default=None, metavar="A,B,...",
+                     help="With --rpc: layer shares for this machine, then each worker (default: by the memory each offers).")(f)
+    f = click.option("--rpc", "rpc", default=None, metavar="HOST:PORT[,...]",
+                     help="Split the model across these `edgellm worker`s (and this machine).")(f)
+    return f
+
+
+def prepare_rpc(path: Any, rpc: Optional[str], rpc_split: Optional[str], *, n_ctx: int, kv_type: str = "f16",
+                force: bool = False, show: bool = True) -> Any:
+    """Reach the workers and print the plan (stderr) before anything loads; None without --rpc."""
+    if not rpc:
+        if rpc_split:
+            from edgellm.errors import UsageError
+
+            raise UsageError("--split needs --rpc")
+        return None
+    from edgellm.engine.rpc import prepare
+
+    plan = prepare(path, rpc, n_ctx=n_ctx, kv_type=kv_type, split=rpc_split, force=force)
+    if show:
+        for line in plan.lines():
+            click.echo(line, err=True)
+    return plan
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.I)
+
+
+def parse_mem(text: Optional[str]) -> Optional[int]:
+    """`--mem 4G`, `512MiB`, `2.5GB` → bytes (binary units: what RAM is sold in)."""
+    if text is None:
+        return None
+    from edgellm.errors import UsageError
+
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise UsageError(f"--mem: {text!r} is not a size like 4G or 512M")
+    n = float(m.group(1)) * (1 << (10 * "BKMGT".index((m.group(2) or "B").upper())))
+    if n < 1 << 20:
+        raise UsageError(f"--mem: {text!r} is less than 1 MiB")
+    return int(n)
+
+
+def _is_loopback(ip: str) -> bool:
+    return ip.startswith("127.")
+
+
+@click.command("worker")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (IPv4). Anything but loopback needs --allow-network.")
+@click.option("--port", default=50052, show_default=True, type=click.IntRange(1, 65535), help="TCP port.")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None, help="CPU threads (default: physical cores).")
+@click.option("--mem", "mem", default=None, metavar="SIZE", help="Memory to offer hosts, e.g. 4G (default: the RAM available now).")
+@click.option("--cache", "cache_dir", type=click.Path(file_okay=False), default=None,
+              help="Keep received weights here, so a host that loads the same model again sends only hashes.")
+@click.option("--allow-network", is_flag=True, help="Allow a non-loopback --host (the protocol has no authentication).")
+@click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's RPC server log (connections).")
+def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str], cache_dir: Optional[str],
+               allow_network: bool, verbose: bool) -> None:
+    """Run a llama.cpp RPC worker: hosts split models onto it with --rpc HOST:PORT.
+
+    \b
+    Examples:
+      edgellm worker                          # 127.0.0.1:50052, for a host on this machine or an SSH tunnel
+      edgellm worker --host 192.168.1.20 --allow-network --mem 12G
+      edgellm chat MODEL --rpc 192.168.1.20:50052      # on the host
+    """
+    import os
+    import socket
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    from edgellm.errors import RuntimeFailure, UsageError
+    from edgellm.fsutil import human_size
+
+    mem_bytes = parse_mem(mem)
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError:
+        raise UsageError(f"--host: cannot resolve {host!r}") from None
+    if not _is_loopback(ip) and not allow_network:
+        raise UsageError(f"refusing to listen on {host} without --allow-network: {SECURITY}")
+    # Bind once here: a busy port is a one-line error (llama.cpp would only print "Failed to create server socket").
+    probe_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe_sock.bind((ip, port))
+    except OSError as e:
+        raise UsageError(f"cannot listen on {ip}:{port}: {e.strerror or e}") from None
+    finally:
+        probe_sock.close()
+    cache = None
+    if cache_dir:
+        cache = Path(cache_dir).expanduser().resolve()
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--cache: cannot create {cache}: {e.strerror or e}") from None
+
+    from edgellm.engine import rpc, rpc_native
+    from edgellm.engine.runtime import default_threads
+
+    n_threads = threads or default_threads()
+    _dev, desc = rpc_native.cpu_device()
+    failed: list[BaseException] = []
+    if not verbose:  # llama.cpp's server printf()s each connection on fd 1; our own lines go to a copy of it
+        sys.stdout.flush()
+        out_fd = os.dup(1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+        sys.stdout = os.fdopen(out_fd, "w", buffering=1)
+
+    def serve() -> None:
+        try:
+            rpc_native.run_worker(ip, port, threads=n_threads, mem_bytes=mem_bytes, cache_dir=cache)
+        except BaseException as e:  # noqa: BLE001  (reported by the main thread)
+            failed.append(e)
+
+    t = threading.Thread(target=serve, name="edgellm-rpc-worker", daemon=True)
+    t.start()
+    info = None
+    deadline = time.monotonic() + 15
+    while info is None and t.is_alive() and time.monotonic() < deadline:
+        try:
+            info = rpc.probe(rpc.Endpoint(ip, port), timeout=2.0)
+        except rpc.RpcError:
+            time.sleep(0.1)
+    if info is None:
+        msg = failed[0] if failed else "it did not answer its own hello"
+        raise RuntimeFailure(f"the RPC worker on {ip}:{port} did not start: {msg}")
+    free, _total = info.devices[0]
+    click.echo(f"edgellm worker: listening on {ip}:{port} (llama.cpp RPC protocol {'.'.join(map(str, info.version))}); "
+               f"offering {human_size(free)} on {desc} ({n_threads} threads){'; cache ' + str(cache) if cache else ''}")
+    if not _is_loopback(ip):
+        click.echo(f"warning: {SECURITY}", err=True)
+    click.echo("Ctrl-C to stop", err=True)
+    try:
+        while t.is_alive():
+            t.join(0.5)
+    except KeyboardInterrupt:
+        click.echo("edgellm worker: stopped", err=True)
+        sys.stdout.flush()
+        # The server thread sits in accept() inside llama.cpp and has no stop call: leave without joining it.
+        os._exit(0)
+    raise RuntimeFailure(f"the RPC worker on {ip}:{port} stopped: {failed[0] if failed else 'llama.cpp gave up (see -v)'}")
