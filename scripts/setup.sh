@@ -3,6 +3,13 @@
 #
 #   scripts/setup.sh                 CPU build (AVX/AVX2/AVX512 as the CPU allows)
 #   scripts/setup.sh --gpu cuda      also offload to CUDA (needs nvcc); or metal, vulkan
+#   scripts/setup.sh --gpu vulkan --vulkan-headers DIR
+#                                    Vulkan with headers from DIR/include when the
+#                                    system's are too old (Debian 12's 1.3.239 are)
+#   scripts/setup.sh --venv DIR      install into DIR instead of ./.venv (e.g. a
+#                                    GPU build beside the CPU one in .venv)
+#
+# Switching the wheel in a venv is one command: rerun with or without --gpu.
 #
 # Idempotent: a second run reuses the venv and the wheel built for the same
 # flags (kept in $EDGELLM_CACHE/wheels/<flags key>/), so it takes seconds.
@@ -14,11 +21,15 @@ ROOT="$PWD"
 source scripts/_cpu_flags.sh
 
 GPU=""
+VENV="$ROOT/.venv"
+VK_HEADERS=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --gpu) GPU="${2:-}"; shift 2 ;;
         --gpu=*) GPU="${1#--gpu=}"; shift ;;
-        -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+        --venv) VENV="$(realpath -m "${2:?--venv needs a folder}")"; shift 2 ;;
+        --vulkan-headers) VK_HEADERS="$(realpath "${2:?--vulkan-headers needs a folder}")"; shift 2 ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
         *) echo "setup.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -32,19 +43,43 @@ if [ -z "$PY" ]; then
 fi
 [ -n "$PY" ] || { echo "setup.sh: Python >= 3.10 is required" >&2; exit 1; }
 
+# The pinned ggml-vulkan.cpp uses vk::LayerSettingEXT (VK_EXT_layer_settings,
+# headers >= 1.3.261); older headers fail deep inside the build, so say it now.
+vulkan_check() {
+    local missing="" inc="${VK_HEADERS:+$VK_HEADERS/include}"
+    command -v glslc >/dev/null || missing="$missing glslc"
+    [ -e /usr/include/vulkan/vulkan.h ] || [ -n "$inc" ] || missing="$missing libvulkan-dev"
+    ldconfig -p 2>/dev/null | grep -q 'libvulkan\.so ' || [ -e /usr/lib/x86_64-linux-gnu/libvulkan.so ] \
+        || missing="$missing libvulkan-dev"
+    [ -d /usr/include/spirv ] || missing="$missing spirv-headers"
+    if [ -n "$missing" ]; then
+        echo "setup.sh: --gpu vulkan needs:$missing (Debian/Ubuntu: apt-get install -y mesa-vulkan-drivers libvulkan-dev glslc spirv-headers)" >&2
+        exit 1
+    fi
+    ls /usr/share/vulkan/icd.d/*.json >/dev/null 2>&1 \
+        || say "note: no Vulkan driver is installed (apt-get install -y mesa-vulkan-drivers gives lavapipe, a software device)"
+    if [ -n "$inc" ]; then
+        grep -qs LayerSettingEXT "$inc"/vulkan/vulkan_structs.hpp \
+            || { echo "setup.sh: $inc/vulkan has no vk::LayerSettingEXT: Vulkan headers >= 1.3.261 are needed" >&2; exit 1; }
+    elif ! grep -qs LayerSettingEXT /usr/include/vulkan/vulkan_structs.hpp; then
+        echo "setup.sh: the system's Vulkan headers ($(grep -m1 -o 'VK_HEADER_VERSION [0-9]*' /usr/include/vulkan/vulkan_core.h)) are too old for llama.cpp (>= 1.3.261 needed); pass --vulkan-headers DIR (a Vulkan-Headers checkout with the C++ headers)" >&2
+        exit 1
+    fi
+}
+
 case "$GPU" in
     "") ;;
     cuda) command -v nvcc >/dev/null || { echo "setup.sh: --gpu cuda needs the CUDA toolkit (nvcc) on PATH" >&2; exit 1; } ;;
     metal) [ "$(uname -s)" = Darwin ] || { echo "setup.sh: --gpu metal is for macOS" >&2; exit 1; } ;;
-    vulkan) command -v glslc >/dev/null || { echo "setup.sh: --gpu vulkan needs the Vulkan SDK (glslc) on PATH" >&2; exit 1; } ;;
+    vulkan) vulkan_check ;;
     *) echo "setup.sh: --gpu takes cuda, metal or vulkan" >&2; exit 2 ;;
 esac
 
-if [ ! -x .venv/bin/python ]; then
-    say "creating .venv with $($PY --version)"
-    "$PY" -m venv .venv
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV with $($PY --version)"
+    "$PY" -m venv "$VENV"
 fi
-VPY="$ROOT/.venv/bin/python"
+VPY="$VENV/bin/python"
 "$VPY" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
 
 ARGS="$(edgellm_cmake_args "$GPU")"
@@ -55,20 +90,31 @@ WHEEL="$(ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION"-*.whl 2>/dev/
 if [ -z "$WHEEL" ]; then
     say "building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION for these flags (about 6-10 min on 2 cores; once per machine)"
     mkdir -p "$WHEELS.partial"
-    # --no-binary: a prebuilt wheel would carry someone else's CPU flags.
-    CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" \
-        "$VPY" -m pip wheel -q --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
+    BUILD_ARGS="$ARGS"
+    # The headers folder is where the headers come from, not a build choice:
+    # it stays out of the cache key.
+    [ -n "$VK_HEADERS" ] && [ "$GPU" = vulkan ] && BUILD_ARGS="$ARGS -DVulkan_INCLUDE_DIR=$VK_HEADERS/include"
+    # --no-binary: a prebuilt wheel would carry someone else's CPU flags;
+    # --no-cache-dir: pip's own wheel cache ignores CMAKE_ARGS and would hand
+    # back the wheel built for another flag set (it gave a Vulkan venv the CPU one).
+    CMAKE_ARGS="$BUILD_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" \
+        "$VPY" -m pip wheel -q --disable-pip-version-check --no-cache-dir --no-deps --no-binary llama-cpp-python \
         "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -w "$WHEELS.partial"
+    if [ -n "$GPU" ] && ! "$VPY" -c 'import sys, zipfile; sys.exit(not any("libggml-"+sys.argv[2] in n for n in zipfile.ZipFile(sys.argv[1]).namelist()))' \
+            "$(ls "$WHEELS.partial"/llama_cpp_python-*.whl | head -1)" "$GPU"; then
+        echo "setup.sh: the wheel built for --gpu $GPU has no ggml-$GPU backend; not caching it" >&2
+        rm -rf "$WHEELS.partial"; exit 1
+    fi
     rm -rf "$WHEELS" && mv "$WHEELS.partial" "$WHEELS"
     WHEEL="$(ls "$WHEELS"/llama_cpp_python-*.whl | head -1)"
 else
     say "reusing the wheel built for these flags: $WHEEL"
 fi
-INSTALLED_KEY="$(cat .venv/.edgellm-llama-key 2>/dev/null || true)"
+INSTALLED_KEY="$(cat "$VENV/.edgellm-llama-key" 2>/dev/null || true)"
 if [ "$INSTALLED_KEY" != "$KEY" ] || ! "$VPY" -c 'import llama_cpp' 2>/dev/null; then
-    say "installing llama-cpp-python into .venv"
+    say "installing llama-cpp-python into $VENV"
     "$VPY" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEEL"
-    echo "$KEY" > .venv/.edgellm-llama-key
+    echo "$KEY" > "$VENV/.edgellm-llama-key"
 fi
 say "installing edgellm (editable) with the server, plot and test extras"
 "$VPY" -m pip install -q --disable-pip-version-check -e ".[serve,plot,test]"
@@ -77,4 +123,4 @@ say "checking the build"
 if "$VPY" -m edgellm.cli doctor --no-self-test >/dev/null; then :; else
     echo "setup.sh: doctor reports a problem with the build (see above)" >&2; exit 1
 fi
-say "done. Activate with: source .venv/bin/activate   (or run .venv/bin/edgellm)"
+say "done. Activate with: source $VENV/bin/activate   (or run $VENV/bin/edgellm)"

@@ -14,6 +14,7 @@ CSV_FIELDS = [
     "n_threads", "n_ctx", "use_mmap", "mlock", "avg_ts", "stddev_ts", "ttft_seconds", "load_seconds",
     "rss_bytes", "file_backed_bytes", "anon_bytes", "kv_bytes", "compute_buffer_bytes", "file_bytes",
     "bandwidth_bytes_per_s", "roofline_ts", "roofline_fraction", "llama_bench_ts", "ratio",
+    "n_gpu_layers", "gpu_device", "device_bytes", "host_bytes",
 ]
 
 
@@ -25,6 +26,9 @@ CSV_FIELDS = [
 @click.option("--threads", type=int, default=None, help="CPU threads (default: physical cores).")
 @click.option("--ctx", "n_ctx", type=int, default=None, help="Context size (default: each test its own token count, as llama-bench).")
 @click.option("--no-mmap", is_flag=True, help="Read the weights into private memory instead of mapping the file.")
+@click.option("--gpu-layers", default="0", show_default=True, help="Layers to offload: N, all, auto (what fits) or 0.")
+@click.option("--gpu-device", default=None, help="GPU device index or name (see `edgellm doctor`); needed for a software device.")
+@click.option("--gpu-mem", default=None, metavar="SIZE", help="Most memory to use on the device, e.g. 512M or 4G.")
 @click.option("--mlock", is_flag=True, help="Lock the weights in RAM.")
 @click.option("--json", "fmt", flag_value="json", help="JSON rows (llama-bench's field names).")
 @click.option("--csv", "fmt", flag_value="csv", help="CSV rows.")
@@ -32,18 +36,20 @@ CSV_FIELDS = [
 @click.option("--compare-llama-bench", is_flag=True, help="Also run llama-bench on the same files and print the ratio.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a PNG of tokens/s per level.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
-def bench_cmd(models, pp, tg, repetitions, threads, n_ctx, no_mmap, mlock, fmt, compare_llama_bench, plot_path, no_progress) -> None:
+def bench_cmd(models, pp, tg, repetitions, threads, n_ctx, no_mmap, gpu_layers, gpu_device, gpu_mem, mlock, fmt, compare_llama_bench, plot_path, no_progress) -> None:
     """Prompt (pp) and generation (tg) tokens/s as llama-bench measures them (mean ± sd over
     repetitions), time to first token, load time, and memory: peak RSS, the resident pages of the
     mapped weights (file-backed) vs private anonymous pages (KV cache, compute buffers), and the KV
     size for the context. Also the memory bandwidth and the generation roofline it implies.
     Results are kept per model and machine for `recommend` and the TUI."""
+    from edgellm.engine.gpu import parse_size
     from edgellm.profile.bench import bench, write_plot
 
     with cancellable() as cancel:
         rows = bench(
             list(models), pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx,
             use_mmap=not no_mmap, mlock=mlock, compare_llama_bench=compare_llama_bench,
+            n_gpu_layers=gpu_layers, gpu_device=gpu_device, gpu_mem=parse_size(gpu_mem), warn=lambda m: click.echo(m, err=True),
             on_progress=progress_bar(not no_progress and fmt is None), cancel=cancel,
         )
     if plot_path:
@@ -98,6 +104,9 @@ def _text(rows) -> str:
         lines.append(f"threads {t.n_threads}, ctx {'pp+tg' if len({r.n_ctx for r in rows}) > 1 else t.n_ctx}, "
                      f"{'mmap' if t.use_mmap else 'no mmap'}{', mlock' if t.mlock else ''}, {len(t.samples_ns)} repetitions")
     for r in rows:
+        if r.n_gpu_layers:
+            lines.append(f"{r.model} {r.test}: {r.n_gpu_layers} layers on {r.gpu_device or 'the GPU'}; llama.cpp allocated "
+                         f"{_mb(r.device_bytes)} on the device, {_mb(r.host_bytes)} on the host")
         if r.roofline_ts:
             lines.append(f"{r.model}: memory bandwidth {r.bandwidth_bytes_per_s / 1e9:.1f} GB/s / weights {_mb(r.model_size)} "
                          f"-> generation roofline {r.roofline_ts:.1f} tok/s; {r.test} reached {100 * (r.roofline_fraction or 0):.0f}%")

@@ -34,7 +34,7 @@ def _warn(msg: str) -> None:
 
 def _show_plan(plan) -> None:
     """The offload plan, on stderr before loading, whenever offload was asked for."""
-    if plan.requested != "0" or plan.device is not None:
+    if plan.n_gpu_layers or (plan.requested != "0" and not plan.notes):  # a note already said "running on the CPU"
         click.echo(plan.describe(), err=True)
 
 

@@ -45,7 +45,11 @@ def doctor_cmd(as_json: bool, model_ref, no_self_test: bool) -> None:
         gpu = rep.gpu
         click.echo(f"gpu backends      {', '.join(gpu.get('backends') or []) or 'none (CPU-only build)'}")
         for d in gpu.get("devices", []):
-            click.echo(f"  device          {d['name']}: {d['description']}")
+            soft = f"  ({d['note']})" if d.get("note") else ""
+            click.echo(f"  device {d['index']:<8} {d['name']} [{d['backend']}, {d['kind']}] {d['description']}: "
+                       f"{human_size(d['free_bytes'])} free of {human_size(d['total_bytes'])}{soft}")
+        if gpu.get("backends") and gpu.get("note"):
+            click.echo(f"  devices         none: {gpu['note']}")
         click.echo(f"ram               {human_size(rep.ram_total_bytes)} total, {human_size(rep.ram_available_bytes)} available")
         click.echo(f"store             {rep.home} ({human_size(rep.disk_free_bytes)} free)")
         if st.ok:

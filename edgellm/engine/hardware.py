@@ -101,19 +101,13 @@ def gpu_backends() -> dict[str, Any]:
     """GPU backends compiled in and the devices ggml sees."""
     import llama_cpp
 
+    from edgellm.engine.gpu import list_devices, no_device_reason
+
     result: dict[str, Any] = {"offload_supported": bool(llama_cpp.llama_supports_gpu_offload()), "devices": []}
-    try:
-        n = llama_cpp.ggml_backend_dev_count()
-        for i in range(n):
-            dev = llama_cpp.ggml_backend_dev_get(i)
-            name = llama_cpp.ggml_backend_dev_name(dev)
-            desc = llama_cpp.ggml_backend_dev_description(dev)
-            result["devices"].append({
-                "name": name.decode() if isinstance(name, bytes) else str(name),
-                "description": desc.decode() if isinstance(desc, bytes) else str(desc),
-            })
-    except AttributeError:
-        pass  # older bindings without the device registry
+    # name, backend, memory, and "software: no speed-up expected" for llvmpipe/SwiftShader (edgellm.engine.gpu)
+    result["devices"] = [d.to_json() for d in list_devices()]
+    if not result["devices"]:
+        result["note"] = no_device_reason()
     text = _system_info()["raw"]
     result["backends"] = sorted({b for b in ("CUDA", "METAL", "VULKAN", "SYCL", "HIP", "MUSA", "OPENCL") if b in text.upper()} | {
         d["name"].rstrip("0123456789").upper() for d in result["devices"] if d["name"].upper() not in ("CPU",)

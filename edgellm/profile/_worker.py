@@ -134,6 +134,16 @@ def stats_ts(samples_ns: list[int], n_tokens: int) -> tuple[float, float]:
 # -- the child ---------------------------------------------------------------
 
 
+def _device_split(lines: list[str]) -> dict[str, Any]:
+    """llama.cpp's allocations on the GPU device(s) vs the host, and the layers it offloaded."""
+    from edgellm.engine.gpu import parse_buffers, split_bytes
+
+    text = "".join(lines)
+    dev, host = split_bytes(text)
+    off = parse_buffers(text)["offloaded"]
+    return {"device_bytes": dev, "host_bytes": host, "offloaded_layers": off[0] if off else 0}
+
+
 def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -239,6 +249,8 @@ def run(req: dict[str, Any]) -> int:
 
     mp = llama_cpp.llama_model_default_params()
     mp.n_gpu_layers = int(req.get("n_gpu_layers", 0))
+    if "split_mode" in req:  # the GPU plan's device choice (edgellm.engine.gpu.GpuPlan.llama_kwargs)
+        mp.split_mode, mp.main_gpu = int(req["split_mode"]), int(req["main_gpu"])
     mmap, mlock = bool(req.get("use_mmap", True)), bool(req.get("mlock", False))
     mp.load_mode = {
         (True, False): llama_cpp.LLAMA_LOAD_MODE_MMAP,
@@ -249,6 +261,7 @@ def run(req: dict[str, Any]) -> int:
     t0 = time.perf_counter()
     model = llama_cpp.llama_model_load_from_file(path.encode(), mp)
     load_seconds = time.perf_counter() - t0
+    n_model_log = len(log_lines)  # the model buffers' lines; each context adds its own
     if not model:
         return fail("RuntimeFailure", f"llama.cpp could not load {Path(path).name}")
     vocab = llama_cpp.llama_model_get_vocab(model)
@@ -350,6 +363,7 @@ def run(req: dict[str, Any]) -> int:
             "baseline_rss_bytes": baseline["rss"], "baseline_anon_bytes": baseline["anon"],
             "kv_buffer_bytes": buffers["KV"], "compute_buffer_bytes": buffers["compute"],
             "output_buffer_bytes": buffers["output"], "threadpool": pool.ptr is not None,
+            **_device_split(log_lines[:n_model_log] + log_lines[n_log:]),
         })
         pool.close()
         llama_cpp.llama_free(ctx)

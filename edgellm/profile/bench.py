@@ -86,6 +86,10 @@ class BenchRow:
     timestamp: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
+    # GPU offload: the device, and llama.cpp's own allocations on it and on the host
+    gpu_device: str = ""
+    device_bytes: int = 0
+    host_bytes: int = 0
     @property
     def samples_ts(self) -> list[float]:
         n = self.n_prompt + self.n_gen
@@ -121,7 +125,10 @@ def bench(
     n_ctx: Optional[int] = None,
     use_mmap: bool = True,
     mlock: bool = False,
-    n_gpu_layers: int = 0,
+    n_gpu_layers: int | str = 0,
+    gpu_device: Optional[str] = None,
+    gpu_mem: Optional[int] = None,
+    warn=None,
     measure_bandwidth: bool = True,
     compare_llama_bench: bool = False,
     save: bool = True,
@@ -151,7 +158,9 @@ def bench(
     all_rows: list[BenchRow] = []
     for mi, (label, path, info, files) in enumerate(targets):
         req = {"path": str(path), "files": files, "threads": n_threads, "repetitions": repetitions, "tests": tests,
-               "n_ctx": n_ctx, "use_mmap": use_mmap, "mlock": mlock, "n_gpu_layers": n_gpu_layers}
+        plan = _gpu_plan(path, info, n_gpu_layers, ctx=n_ctx or max(pp, tg), gpu_device=gpu_device, gpu_mem=gpu_mem,
+                         warn=warn or (lambda m: log.warning("%s", m)))
+               "n_ctx": n_ctx, "use_mmap": use_mmap, "mlock": mlock, **plan.llama_kwargs()}
         total = len(tests) * repetitions * len(targets)
 
         def forward(ev: dict[str, Any], mi=mi, label=label) -> None:
@@ -164,7 +173,7 @@ def bench(
                 model=label, model_filename=str(path), model_type=info.level, model_size=int(info.tensor_bytes),
                 model_n_params=int(info.parameters), test=r["test"], n_prompt=r["n_prompt"], n_gen=r["n_gen"],
                 n_threads=n_threads, n_ctx=r["n_ctx"], n_batch=r["n_batch"], n_ubatch=r["n_ubatch"],
-                n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, mlock=mlock, samples_ns=r["samples_ns"],
+                n_gpu_layers=r.get("offloaded_layers", 0), use_mmap=use_mmap, mlock=mlock, samples_ns=r["samples_ns"],
                 avg_ts=r["avg_ts"], stddev_ts=r["stddev_ts"], rss_bytes=r["rss_bytes"],
                 file_backed_bytes=r["file_backed_bytes"], anon_bytes=r["anon_bytes"],
                 kv_bytes=int(info.kv_cache_bytes(r["n_ctx"])), kv_buffer_bytes=r["kv_buffer_bytes"],
@@ -172,6 +181,8 @@ def bench(
                 load_seconds=done["load_seconds"], ttft_seconds=done["ttft_seconds"],
                 file_bytes=sum(Path(f).stat().st_size for f in files), machine_id=mid, timestamp=stamp,
                 extra={k: r[k] for k in ("process_anon_bytes", "process_file_bytes", "baseline_rss_bytes", "rss_now_bytes", "threadpool") if k in r},
+                gpu_device=plan.device.label if plan.device and r.get("offloaded_layers") else "",
+                device_bytes=r.get("device_bytes", 0), host_bytes=r.get("host_bytes", 0),
             )
             if bw is not None:
                 row.bandwidth_bytes_per_s = bw.read_bytes_per_s
@@ -181,7 +192,8 @@ def bench(
             all_rows.append(row)
     if compare_llama_bench:
         _attach_llama_bench(all_rows, [t[1] for t in targets], pp=pp, tg=tg, repetitions=repetitions, threads=n_threads,
-                            use_mmap=use_mmap, mlock=mlock, n_gpu_layers=n_gpu_layers, cancel=cancel)
+                            use_mmap=use_mmap, mlock=mlock, n_gpu_layers=all_rows[0].n_gpu_layers if all_rows else 0,
+                            cancel=cancel)
     if save:
         for label, *_ in targets:
             save_results(label, [r for r in all_rows if r.model == label], bandwidth=bw)
@@ -189,6 +201,18 @@ def bench(
 
 
 def _validate(*, pp: int, tg: int, repetitions: int, threads: Optional[int], n_ctx: Optional[int]) -> None:
+def _gpu_plan(path: Path, info, request, *, ctx: int, gpu_device: Optional[str], gpu_mem: Optional[int], warn):
+    """The same offload plan chat uses (edgellm.engine.gpu); its notes and, when offload was asked for, the plan go to `warn`."""
+    from edgellm.engine.gpu import plan_offload
+
+    plan = plan_offload(path, info, request, ctx=ctx, gpu_device=gpu_device, gpu_mem=gpu_mem)
+    for note in plan.notes:
+        warn(f"warning: {note}")
+    if plan.n_gpu_layers or (plan.requested != "0" and not plan.notes):
+        warn(plan.describe())
+    return plan
+
+
     if pp is None or pp < 1:
         raise UsageError(f"--pp must be at least 1 (got {pp}): the prompt test needs a prompt")
     if tg is None or tg < 0:

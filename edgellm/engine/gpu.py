@@ -1,0 +1,487 @@
+"""GPU devices and the offload plan: how many layers go to which device.
+
+`list_devices()` asks the loaded ggml library (ctypes; llama-cpp-python does
+not bind the device registry) which GPU devices llama.cpp could use, with
+their memory. Software devices (Mesa's llvmpipe/lavapipe, SwiftShader) are
+real Vulkan devices that run on the CPU: offloading to them is slower than
+the CPU path, so `auto` never picks one; they are used only when named with
+`--gpu-device`. llama.cpp itself hides CPU-type Vulkan devices unless
+GGML_VK_VISIBLE_DEVICES names them (e.g. GGML_VK_VISIBLE_DEVICES=0).
+
+`plan_offload()` turns `--gpu-layers` (0, N, all, auto) and `--gpu-mem` into
+the number llama.cpp gets and the bytes that land on the device and the host.
+The sizes come from `edgellm.engine.memory.estimate()` (the RAM guard's
+estimate: KV cache and compute buffers) split per layer with the real tensor
+sizes from the GGUF: llama.cpp offloads the last N of its n_layer + 1
+"layers" (the repeating blocks, then the output layer), each with its KV cache,
+and puts one compute buffer on the device once any layer is there. The
+token embeddings always stay on the host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from edgellm.errors import UsageError
+from edgellm.fsutil import human_size
+
+log = logging.getLogger(__name__)
+
+SOFTWARE_MARKERS = ("llvmpipe", "lavapipe", "swiftshader", "softpipe")
+SOFTWARE_NOTE = "software: no speed-up expected"
+MiB = 1 << 20
+# Room left on a device for the driver, other programs and allocation slack.
+MARGIN_MIN_BYTES = 256 * MiB
+MARGIN_FRACTION = 0.05
+
+# ggml_backend_dev_type
+_TYPE_NAMES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+
+
+@dataclass
+class GpuDevice:
+    index: int  # position in list_devices(): what `--gpu-device N` means
+    name: str  # ggml's name: Vulkan0, CUDA0, Metal
+    description: str  # the driver's name for it: "llvmpipe (LLVM 15.0.6, 256 bits)"
+    backend: str  # Vulkan, CUDA, Metal ...
+    kind: str  # "gpu" or "igpu"
+    total_bytes: int
+    free_bytes: int
+    software: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.description})"
+
+    def describe(self) -> str:
+        s = (f"{self.index}: {self.name} [{self.backend}, {self.kind}] {self.description}: "
+             f"{human_size(self.free_bytes)} free of {human_size(self.total_bytes)}")
+        return s + (f" ({SOFTWARE_NOTE})" if self.software else "")
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["note"] = SOFTWARE_NOTE if self.software else ""
+        return d
+
+
+def is_software(description: str) -> bool:
+    d = description.lower()
+    return any(m in d for m in SOFTWARE_MARKERS)
+
+
+def _ggml() -> Optional[ctypes.CDLL]:
+    """The ggml library llama_cpp loaded (its dependency tree has the device registry)."""
+    import llama_cpp
+
+    libdir = Path(llama_cpp.__file__).parent / "lib"
+    for name in ("libggml.so", "libggml.dylib", "ggml.dll"):
+        if (libdir / name).exists():
+            lib = ctypes.CDLL(str(libdir / name))
+            break
+    else:
+        return None
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    sigs = {
+        "ggml_backend_dev_count": ([], sz), "ggml_backend_dev_get": ([sz], vp),
+        "ggml_backend_dev_name": ([vp], ctypes.c_char_p), "ggml_backend_dev_description": ([vp], ctypes.c_char_p),
+        "ggml_backend_dev_type": ([vp], ctypes.c_int), "ggml_backend_dev_backend_reg": ([vp], vp),
+        "ggml_backend_reg_name": ([vp], ctypes.c_char_p),
+        "ggml_backend_dev_memory": ([vp, ctypes.POINTER(sz), ctypes.POINTER(sz)], None),
+    }
+    sigs.update({"ggml_backend_reg_count": ([], sz), "ggml_backend_reg_get": ([sz], vp)})
+    try:
+        for fn, (args, res) in sigs.items():
+            f = getattr(lib, fn)
+            f.argtypes, f.restype = args, res
+    except AttributeError:  # a ggml without the device registry
+        return None
+    return lib
+
+
+def list_devices() -> list[GpuDevice]:
+    """GPU devices llama.cpp could offload to, in registry order (RPC servers and the CPU left out)."""
+    lib = _ggml()
+    if lib is None:
+        return []
+    out: list[GpuDevice] = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        kind = _TYPE_NAMES.get(lib.ggml_backend_dev_type(dev), "?")
+        backend = (lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev)) or b"").decode("utf-8", "replace")
+        if kind not in ("gpu", "igpu") or backend.upper() == "RPC":
+            continue
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        desc = (lib.ggml_backend_dev_description(dev) or b"").decode("utf-8", "replace")
+        out.append(GpuDevice(len(out), (lib.ggml_backend_dev_name(dev) or b"").decode("utf-8", "replace"), desc,
+                             backend, kind, int(total.value), int(free.value), is_software(desc)))
+    return out
+
+
+def gpu_backends() -> list[str]:
+    """GPU backends compiled into this llama.cpp (Vulkan, CUDA, Metal ...): the CPU, RPC and BLAS ones left out."""
+    lib = _ggml()
+    if lib is None:
+        return []
+    names = [(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)) or b"").decode() for i in range(lib.ggml_backend_reg_count())]
+    return [n for n in names if n.upper() not in ("CPU", "RPC", "BLAS", "")]
+
+
+def no_device_reason() -> str:
+    if not gpu_backends():
+        return "no GPU device: this llama.cpp build is CPU-only (scripts/setup.sh --gpu ... builds a GPU one)"
+    hint = ""
+    if "GGML_VK_VISIBLE_DEVICES" not in os.environ and any(
+            any(Path(d).glob("lvp_icd*.json")) for d in ("/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d")):
+        hint = ("; Mesa's lavapipe (a software Vulkan device) is installed, which llama.cpp hides unless "
+                "GGML_VK_VISIBLE_DEVICES names it (e.g. GGML_VK_VISIBLE_DEVICES=0)")
+    return "no GPU device: llama.cpp's GPU backend sees no device" + hint
+
+
+def _llama_order(devices: Sequence[GpuDevice]) -> list[GpuDevice]:
+    """The device list llama.cpp builds by default (discrete GPUs; integrated ones only without those):
+    `main_gpu` indexes into it."""
+    gpus = [d for d in devices if d.kind == "gpu"]
+    return gpus or [d for d in devices if d.kind == "igpu"]
+
+
+def find_device(ref: Union[str, int], devices: Sequence[GpuDevice]) -> GpuDevice:
+    """`--gpu-device`: an index into list_devices(), or a name (Vulkan0) / description substring (llvmpipe)."""
+    s = str(ref).strip()
+    if s.isdigit():
+        i = int(s)
+        if i < len(devices):
+            return devices[i]
+    else:
+        for d in devices:
+            if d.name.lower() == s.lower():
+                return d
+        hits = [d for d in devices if s.lower() in d.description.lower()]
+        if len(hits) == 1:
+            return hits[0]
+    have = ", ".join(f"{d.index}={d.name} ({d.description})" for d in devices) or "none"
+    raise UsageError(f"no GPU device {s!r} (devices: {have}; see `edgellm doctor`)")
+
+
+# -- the plan ---------------------------------------------------------------------
+
+
+@dataclass
+class LayerCosts:
+    """Bytes llama.cpp puts on a device per offloaded unit, from the GGUF's tensors and the memory estimate."""
+
+    block_weights: list[int]  # per repeating layer blk.i
+    block_kv: int  # KV cache of one layer at the context
+    output_weights: int  # output layer: output.weight + output_norm
+    output_copy: int  # tied embeddings: llama.cpp's device copy of token_embd for the output layer
+    host_only_weights: int  # token_embd and anything llama.cpp keeps on the CPU
+    compute_bytes: int  # one compute buffer on the device once any layer is offloaded
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.block_weights)
+
+    def device_bytes(self, n_gpu_layers: int) -> int:
+        """Device bytes for llama.cpp's n_gpu_layers (n_layers + 1 = every block and the output layer)."""
+        k = max(0, min(n_gpu_layers, self.n_layers + 1))
+        if k == 0:
+            return 0
+        blocks = min(k, self.n_layers)
+        b = sum(self.block_weights[self.n_layers - blocks:]) + blocks * self.block_kv + self.compute_bytes
+        return b + (self.output_weights + self.output_copy if k > self.n_layers else 0)
+
+    def host_bytes(self, n_gpu_layers: int) -> int:
+        """Host bytes: what is not offloaded, plus the CPU's own compute buffer (always there)."""
+        k = max(0, min(n_gpu_layers, self.n_layers + 1))
+        moved = self.device_bytes(k) - (self.compute_bytes if k else 0) - (self.output_copy if k > self.n_layers else 0)
+        return self.total_bytes() - moved + self.compute_bytes
+
+    def total_bytes(self) -> int:
+        """Weights + KV of the whole model (compute buffers aside), each tensor counted once."""
+        return sum(self.block_weights) + self.n_layers * self.block_kv + self.output_weights + self.host_only_weights
+
+
+_BLK = re.compile(r"^blk\.(\d+)\.")
+
+
+def layer_costs(path: Path | str, info, *, ctx: int, kv_type: str = "f16", n_ubatch: int = 512) -> LayerCosts:
+    """Split the RAM guard's estimate per layer with the GGUF's own tensor sizes."""
+    from edgellm.engine.memory import estimate
+    from edgellm.gguf.reader import read_layout
+
+    est = estimate(info, ctx=ctx, kv_type=kv_type, n_ubatch=n_ubatch)
+    n = int(info.block_count or 0)
+    blocks = [0] * n
+    output = host = embd = 0
+    has_output = False
+    for t in read_layout(path).tensors:
+        m = _BLK.match(t.name)
+        if m and int(m.group(1)) < n:
+            blocks[int(m.group(1))] += t.n_bytes
+        elif t.name.startswith("output"):
+            output += t.n_bytes
+            has_output = has_output or t.name == "output.weight"
+        else:
+            host += t.n_bytes
+            if t.name == "token_embd.weight":
+                embd = t.n_bytes
+    # tied embeddings: llama.cpp loads a second copy of token_embd for the output layer
+    copy = 0 if has_output else embd
+    return LayerCosts(blocks, est.kv_bytes // n if n else 0, output, copy, host, est.compute_bytes)
+
+
+@dataclass
+class GpuPlan:
+    requested: str  # what the user asked: "0", "12", "all", "auto"
+    n_gpu_layers: int  # what llama.cpp gets
+    max_layers: int  # the model's n_layer + 1 (llama.cpp counts the output layer)
+    device: Optional[GpuDevice]
+    device_bytes: int
+    host_bytes: int
+    budget_bytes: Optional[int]  # what the device may take (free less margin, capped by --gpu-mem)
+    reason: str
+    notes: list[str] = field(default_factory=list)  # warnings for the user (clamped, fallbacks)
+    # devices llama.cpp knows about; when the plan is 0, keep them out entirely (no compute buffer there)
+    _device_count: int = 0
+    _main_gpu: int = -1
+
+    def llama_kwargs(self) -> dict[str, Any]:
+        """Arguments for llama_cpp.Llama / llama_model_params."""
+        if self._device_count == 0:
+            return {"n_gpu_layers": 0}
+        if self.n_gpu_layers == 0 or self.device is None:
+            # split NONE with main_gpu -1 empties llama.cpp's device list: a true CPU run
+            return {"n_gpu_layers": 0, "split_mode": 0, "main_gpu": -1}
+        return {"n_gpu_layers": self.n_gpu_layers, "split_mode": 0, "main_gpu": self._main_gpu}
+
+    def describe(self) -> str:
+        if self.n_gpu_layers == 0:
+            return f"GPU offload: none ({self.reason})"
+        assert self.device is not None
+        return (f"GPU offload: {self.n_gpu_layers}/{self.max_layers} layers on {self.device.label}: "
+                f"{human_size(self.device_bytes)} on the device, {human_size(self.host_bytes)} on the host ({self.reason})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"requested": self.requested, "n_gpu_layers": self.n_gpu_layers, "max_layers": self.max_layers,
+                "device": self.device.to_json() if self.device else None, "device_bytes": self.device_bytes,
+                "host_bytes": self.host_bytes, "budget_bytes": self.budget_bytes, "reason": self.reason,
+                "notes": list(self.notes)}
+
+
+def parse_size(text: Optional[str]) -> Optional[int]:
+    """`--gpu-mem`: 512M, 1.5G, 2GiB, or bytes."""
+    if text is None or str(text).strip() == "":
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
+    if not m:
+        raise UsageError(f"--gpu-mem takes a size like 512M or 2G, not {text!r}")
+    n = float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2) or " ")))
+    if n <= 0:
+        raise UsageError(f"--gpu-mem must be more than 0 (got {text!r})")
+    return int(n)
+
+
+def _parse_request(value: Union[int, str, None]) -> tuple[str, Optional[int]]:
+    """('auto'|'all'|'N', N or None)."""
+    s = "0" if value is None else str(value).strip().lower()
+    if s in ("auto", "all"):
+        return s, None
+    try:
+        n = int(s)
+    except ValueError:
+        raise UsageError(f"--gpu-layers takes a number, all, auto or 0, not {value!r}") from None
+    if n < 0:
+        return "all", None  # llama.cpp's -1
+    return str(n), n
+
+
+def budget_for(device: GpuDevice, gpu_mem: Optional[int]) -> int:
+    margin = max(MARGIN_MIN_BYTES, int(device.total_bytes * MARGIN_FRACTION))
+    room = max(0, device.free_bytes - margin)
+    return room if gpu_mem is None else min(room, gpu_mem)
+
+
+def plan_offload(
+    path: Path | str, info, request: Union[int, str, None], *, ctx: int, kv_type: str = "f16", n_ubatch: int = 512,
+    gpu_device: Union[str, int, None] = None, gpu_mem: Optional[int] = None,
+    devices: Optional[Sequence[GpuDevice]] = None,
+) -> GpuPlan:
+    """Decide n_gpu_layers and the device for one load. Never raises for a missing device: the plan is 0 with a reason."""
+    kind, n = _parse_request(request)
+    costs = layer_costs(path, info, ctx=ctx, kv_type=kv_type, n_ubatch=n_ubatch)
+    max_layers = costs.n_layers + 1
+    host_all = costs.host_bytes(0)
+    devs = list(list_devices() if devices is None else devices)
+    notes: list[str] = []
+
+    def none(reason: str, *, warn: bool) -> GpuPlan:
+        if warn:
+            notes.append(f"{reason}; running on the CPU")
+        return GpuPlan(kind, 0, max_layers, None, 0, host_all, None, reason, notes, len(devs))
+
+    if kind == "0" and gpu_device is None:
+        return none("--gpu-layers 0", warn=False)
+    if not devs:
+        return none(no_device_reason(), warn=kind != "auto")
+    if gpu_device is not None:
+        dev = find_device(gpu_device, devs)
+        if kind == "0":
+            return none("--gpu-layers 0", warn=False)
+    else:
+        hw = [d for d in devs if not d.software]
+        if not hw:
+            soft = ", ".join(d.label for d in devs)
+            return none(f"the only GPU device is {soft}, {SOFTWARE_NOTE}; name it with --gpu-device to use it anyway",
+                        warn=kind != "auto")
+        dev = max(hw, key=lambda d: d.free_bytes)
+    order = _llama_order(devs)
+    if dev not in order:
+        return none(f"{dev.label} is an integrated GPU beside a discrete one; llama.cpp does not offload to it", warn=True)
+    budget = budget_for(dev, gpu_mem)
+    if kind == "auto":
+        k = max((k for k in range(max_layers + 1) if costs.device_bytes(k) <= budget), default=0)
+        if k == 0:
+            one = costs.device_bytes(1)
+            return none(f"one layer needs {human_size(one)} on {dev.name} (weights, KV cache and compute buffer), "
+                        f"more than the {human_size(budget)} it may use" + (" (--gpu-mem)" if gpu_mem is not None else ""),
+                        warn=False)
+        reason = (f"auto: all that fit in {human_size(budget)}" if k == max_layers else
+                  f"auto: the most that fit in {human_size(budget)}")
+    else:
+        k = max_layers if kind == "all" else int(n or 0)
+        reason = "all layers" if kind == "all" else f"--gpu-layers {k}"
+        if k > max_layers:
+            notes.append(f"--gpu-layers {k} is more than the model's {max_layers} layers "
+                         f"({costs.n_layers} blocks + output); offloading all {max_layers}")
+            k = max_layers
+            reason = "all layers"
+        if costs.device_bytes(k) > budget:
+            notes.append(f"{k} layers need ~{human_size(costs.device_bytes(k))} on {dev.name}, more than the "
+                         f"{human_size(budget)} it may use; if allocation fails edgellm falls back to the CPU")
+    return GpuPlan(kind, k, max_layers, dev, costs.device_bytes(k), costs.host_bytes(k), budget,
+                   reason, notes, len(devs), order.index(dev))
+
+
+_BUF = re.compile(r"(\S+)\s+(model|KV|compute|output) buffer size\s*=\s*([0-9.]+)\s*MiB")
+_OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
+
+
+def parse_buffers(log_text: str) -> dict[str, Any]:
+    """llama.cpp's own allocation lines, per buffer owner: {"Vulkan0": {"model": b, "KV": b, ...}, "CPU": ...}.
+
+    Owners are ggml buffer names: Vulkan0, CUDA0, CPU, CPU_Mapped, Vulkan_Host
+    (pinned host memory, which is host RAM)."""
+    out: dict[str, dict[str, int]] = {}
+    for m in _BUF.finditer(log_text):
+        d = out.setdefault(m.group(1), {})
+        d[m.group(2)] = d.get(m.group(2), 0) + int(float(m.group(3)) * MiB)
+    off = _OFFLOADED.search(log_text)
+    return {"buffers": out, "offloaded": (int(off.group(1)), int(off.group(2))) if off else None}
+
+
+def is_device_buffer(owner: str) -> bool:
+    o = owner.lower()
+    return not (o.startswith("cpu") or o.endswith("_host") or "host" in o)
+
+
+def split_bytes(log_text: str) -> tuple[int, int]:
+    """(device bytes, host bytes) llama.cpp reported allocating."""
+    bufs = parse_buffers(log_text)["buffers"]
+    dev = sum(sum(v.values()) for k, v in bufs.items() if is_device_buffer(k))
+    host = sum(sum(v.values()) for k, v in bufs.items() if not is_device_buffer(k))
+    return dev, host
+
+
+
+
+def allocation_report(plan: Optional[GpuPlan], log_text: str, n_gpu_layers: int) -> dict[str, Any]:
+    """For --json and the TUI: the plan beside llama.cpp's own figures."""
+    parsed = parse_buffers(log_text)
+    dev, host = split_bytes(log_text)
+    off = parsed["offloaded"]
+    return {"n_gpu_layers": n_gpu_layers, "plan": plan.to_json() if plan else None,
+            "allocated": {"device_bytes": dev, "host_bytes": host, "buffers": parsed["buffers"],
+                          "offloaded_layers": off[0] if off else None, "max_layers": off[1] if off else None}}
+
+# -- loading with the plan, and the CPU fallback ------------------------------------
+
+
+def _failure_reason(log_text: str, exc: BaseException) -> str:
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    hits = [ln for ln in lines if re.search(r"error|unable|failed|lost|out of (device )?memory", ln, re.I)]
+    if hits:
+        return hits[0].split("error loading model:", 1)[-1].strip()[:200]
+    return (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:200]
+
+
+def _load_logged(llama_cpp, kw: dict[str, Any], *, verbose: bool, quiet):
+    """Llama(**kw) with llama.cpp's log captured (the buffer sizes and any failure reason are in it)."""
+    from llama_cpp import _logger
+
+    lines: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def on_log(level, text, _user):
+        lines.append(text.decode("utf-8", "replace") if text else "")
+
+    llama_cpp.llama_log_set(on_log, None)
+    try:
+        with quiet(enabled=not verbose):
+            try:
+                llm = llama_cpp.Llama(**kw)
+            except (ValueError, RuntimeError, OSError) as e:
+                e.llama_log = "".join(lines)  # type: ignore[attr-defined]
+                raise
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, None)
+    text = "".join(lines)
+    if verbose:
+        import sys
+
+        sys.stderr.write(text)
+    return llm, text
+
+
+def load_llama(kw: dict[str, Any], plan: Optional[GpuPlan], *, name: str, quiet=None, verbose: bool = False,
+               warn=log.warning):
+    """Load with the plan; when the device fails (allocation refused, device lost, context not created)
+    warn once and load again on the CPU. Returns (llm, llama.cpp's load log, the plan that ran).
+    `quiet(enabled=)` silences native stderr (runtime.silence_native_stderr; passed in, runtime imports this module)."""
+    import contextlib
+
+    import llama_cpp
+
+    from edgellm.errors import RuntimeFailure
+
+    quiet = quiet or (lambda enabled: contextlib.nullcontext())
+    try:
+        llm, text = _load_logged(llama_cpp, kw, verbose=verbose, quiet=quiet)
+        return llm, text, plan
+    except (ValueError, RuntimeError, OSError) as e:
+        reason = _failure_reason(getattr(e, "llama_log", ""), e)
+        # no plan: layers placed by someone else (--rpc), whose failures are theirs to report
+        if plan is None or not plan.n_gpu_layers:
+            raise RuntimeFailure(f"llama.cpp could not load {name}: {reason}") from None
+    where = plan.device.label if plan.device is not None else "the GPU"
+    msg = f"GPU offload to {where} failed ({reason}); loading on the CPU"
+    warn(msg)
+    plan = GpuPlan(plan.requested, 0, plan.max_layers, None, 0, plan.host_bytes + plan.device_bytes, None,
+                   f"fallback: {msg}", plan.notes + [msg], plan._device_count)
+    kw = {**kw, **plan.llama_kwargs()}
+    try:
+        llm, text = _load_logged(llama_cpp, kw, verbose=verbose, quiet=quiet)
+    except (ValueError, RuntimeError, OSError) as e:
+        raise RuntimeFailure(f"llama.cpp could not load {name}: {_failure_reason(getattr(e, 'llama_log', ''), e)}") from None
+    return llm, text, plan
+
+
+__all__ = [
+    "GpuDevice", "GpuPlan", "LayerCosts", "list_devices", "gpu_backends", "no_device_reason", "find_device", "plan_offload", "layer_costs", "parse_size",
+    "parse_buffers", "split_bytes", "is_software", "SOFTWARE_NOTE", "budget_for", "load_llama",
+]
