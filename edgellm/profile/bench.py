@@ -85,11 +85,11 @@ class BenchRow:
     machine_id: str = ""
     timestamp: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
-
     # GPU offload: the device, and llama.cpp's own allocations on it and on the host
     gpu_device: str = ""
     device_bytes: int = 0
     host_bytes: int = 0
+
     @property
     def samples_ts(self) -> list[float]:
         n = self.n_prompt + self.n_gen
@@ -157,9 +157,9 @@ def bench(
     mid, stamp = machine_id(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     all_rows: list[BenchRow] = []
     for mi, (label, path, info, files) in enumerate(targets):
-        req = {"path": str(path), "files": files, "threads": n_threads, "repetitions": repetitions, "tests": tests,
         plan = _gpu_plan(path, info, n_gpu_layers, ctx=n_ctx or max(pp, tg), gpu_device=gpu_device, gpu_mem=gpu_mem,
                          warn=warn or (lambda m: log.warning("%s", m)))
+        req = {"path": str(path), "files": files, "threads": n_threads, "repetitions": repetitions, "tests": tests,
                "n_ctx": n_ctx, "use_mmap": use_mmap, "mlock": mlock, **plan.llama_kwargs()}
         total = len(tests) * repetitions * len(targets)
 
@@ -180,9 +180,9 @@ def bench(
                 compute_buffer_bytes=r["compute_buffer_bytes"], output_buffer_bytes=r["output_buffer_bytes"],
                 load_seconds=done["load_seconds"], ttft_seconds=done["ttft_seconds"],
                 file_bytes=sum(Path(f).stat().st_size for f in files), machine_id=mid, timestamp=stamp,
-                extra={k: r[k] for k in ("process_anon_bytes", "process_file_bytes", "baseline_rss_bytes", "rss_now_bytes", "threadpool") if k in r},
                 gpu_device=plan.device.label if plan.device and r.get("offloaded_layers") else "",
                 device_bytes=r.get("device_bytes", 0), host_bytes=r.get("host_bytes", 0),
+                extra={k: r[k] for k in ("process_anon_bytes", "process_file_bytes", "baseline_rss_bytes", "rss_now_bytes", "threadpool") if k in r},
             )
             if bw is not None:
                 row.bandwidth_bytes_per_s = bw.read_bytes_per_s
@@ -200,7 +200,6 @@ def bench(
     return all_rows
 
 
-def _validate(*, pp: int, tg: int, repetitions: int, threads: Optional[int], n_ctx: Optional[int]) -> None:
 def _gpu_plan(path: Path, info, request, *, ctx: int, gpu_device: Optional[str], gpu_mem: Optional[int], warn):
     """The same offload plan chat uses (edgellm.engine.gpu); its notes and, when offload was asked for, the plan go to `warn`."""
     from edgellm.engine.gpu import plan_offload
@@ -213,6 +212,7 @@ def _gpu_plan(path: Path, info, request, *, ctx: int, gpu_device: Optional[str],
     return plan
 
 
+def _validate(*, pp: int, tg: int, repetitions: int, threads: Optional[int], n_ctx: Optional[int]) -> None:
     if pp is None or pp < 1:
         raise UsageError(f"--pp must be at least 1 (got {pp}): the prompt test needs a prompt")
     if tg is None or tg < 0:
