@@ -186,6 +186,8 @@ def probe(ep: Endpoint, *, timeout: float = PROBE_TIMEOUT, local: Optional[tuple
                 free, total = struct.unpack("<QQ", _call(sock, CMD_GET_DEVICE_MEMORY, struct.pack("<I", i), 16))
                 devices.append((int(free), int(total)))
         except (socket.timeout, TimeoutError):
+            if _speaks_http(ep, min(timeout, 2.0)):
+                raise RpcError(f"RPC worker {ep}: that port speaks HTTP, not llama.cpp RPC (wrong port?)") from None
             raise RpcError(f"RPC worker {ep}: accepted the connection but did not answer the RPC hello within {timeout:g} s "
                            "(a worker serves one host at a time: is another host using it?)") from None
         except ConnectionAbortedError:
@@ -195,6 +197,21 @@ def probe(ep: Endpoint, *, timeout: float = PROBE_TIMEOUT, local: Optional[tuple
         except OSError as e:
             raise RpcError(f"RPC worker {ep}: connection lost during the hello ({e.strerror or e})") from None
     return WorkerInfo(ep, version, devices)
+
+
+def _speaks_http(ep: Endpoint, timeout: float) -> bool:
+    """A silent port may be an HTTP server waiting for a request line (our hello has no newline): ask it.
+
+    A busy RPC worker queues this connection and later drops it at the first
+    byte ('G' is no RPC command), so asking costs it nothing.
+    """
+    try:
+        with socket.create_connection((ep.host, ep.port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
+            return _recv_exact(s, 5) == b"HTTP/"
+    except OSError:
+        return False
 
 
 def probe_all(endpoints: Sequence[Endpoint], *, timeout: float = PROBE_TIMEOUT) -> list[WorkerInfo]:

@@ -59,7 +59,12 @@ def _lib_dir() -> Path:
 def _load(name: str) -> ctypes.CDLL:
     import llama_cpp  # noqa: F401  (loads libllama and its ggml libraries first)
 
-    path = _lib_dir() / name
+    # By soname: the wheel ships each library three times as plain copies (.so, .so.0, .so.0.x), and
+    # llama.cpp loaded the .so.0 ones; another copy would have its own globals (the abort callback, the
+    # RPC connections) that llama.cpp never sees.
+    path = _lib_dir() / f"{name}.0"
+    if not path.exists():
+        path = _lib_dir() / name
     if not path.exists():
         raise RpcError(f"this llama-cpp-python build has no RPC backend ({name} is missing): rebuild with scripts/setup.sh (GGML_RPC=ON)")
     return ctypes.CDLL(str(path))
