@@ -1,7 +1,7 @@
 """`edgellm serve` through the official `openai` client, on 127.0.0.1, with the real default model.
 
 One server subprocess serves the module (its own EDGELLM_HOME, an ephemeral
-port, --api-key, --queue 1, --ctx 1024, --max-loaded 1,
+port, --api-key, --queue 1, --ctx 1024, --max-loaded 1, --parallel 1,
 --threads 1: one thread degrades least when other jobs share the two cores); the shutdown test
 starts a second one because it stops it.
 """
@@ -69,7 +69,8 @@ def _stop(proc: subprocess.Popen) -> None:
 def server(tmp_path_factory, default_gguf):
     home = tmp_path_factory.mktemp("serve-home")
     _register(home, default_gguf, DEFAULT_NAME, SECOND)
-    proc, url = _start(home, DEFAULT_NAME, "--api-key", KEY, "--queue", "1", "--ctx", str(CTX), "--max-loaded", "1", "--threads", "1")
+    proc, url = _start(home, DEFAULT_NAME, "--api-key", KEY, "--queue", "1", "--ctx", str(CTX), "--max-loaded", "1", "--threads", "1",
+                       "--parallel", "1")
     yield url
     _stop(proc)
     err = proc.stderr.read()

@@ -277,11 +277,9 @@ class ChatSession:
         data = text.encode("utf-8")
         taken: list[_Segment] = []
         pos = 0
-        if rt.add_bos:
-            bos_text = rt.token_text(rt.token_bos()).encode("utf-8")
-            if bos_text and data.startswith(bos_text):  # the template wrote it; the vocab adds it as a token
-                data = data[len(bos_text):]
-            taken.append(_Segment(b"", [rt.token_bos()]))
+        data, bos = strip_bos(rt, data)
+        if bos:
+            taken.append(_Segment(b"", bos))
         old = self._segments[1:] if rt.add_bos and self._segments else self._segments
         for seg in old:
             if not data.startswith(seg.data, pos):
@@ -362,6 +360,22 @@ def format_info(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def strip_bos(rt: Runtime, data: bytes) -> tuple[bytes, list[int]]:
+    """(text, [BOS] or []): when the vocab adds BOS and the template also wrote it, keep one BOS token."""
+    if not rt.add_bos:
+        return data, []
+    bos_text = rt.token_text(rt.token_bos()).encode("utf-8")
+    if bos_text and data.startswith(bos_text):
+        data = data[len(bos_text):]
+    return data, [rt.token_bos()]
+
+
+def template_tokens(rt: Runtime, template: ChatTemplate, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation rendered by the model's template and tokenized as `ChatSession` does it."""
+    data, bos = strip_bos(rt, template.render(messages, add_generation_prompt=True).encode("utf-8"))
+    return bos + (rt.tokenize(data.decode("utf-8"), add_bos=False, special=True) if data else [])
+
+
 def stats_line(st: GenerationStats) -> str:
     """The one-line summary printed on stderr after a reply."""
     s = (f"[{st.generated_tokens} tokens, {st.tokens_per_second:.1f} tokens/s; prompt {st.prompt_tokens} tokens, "
@@ -380,4 +394,4 @@ def _rss() -> int:
         return 0
 
 
-__all__ = ["ChatTemplate", "Conversation", "ChatSession", "ChatTotals", "TemplateError", "format_info", "stats_line"]
+__all__ = ["ChatTemplate", "Conversation", "ChatSession", "ChatTotals", "TemplateError", "format_info", "stats_line", "strip_bos", "template_tokens"]

@@ -13,14 +13,18 @@ import click
 @click.option("--max-loaded", default=1, show_default=True, type=click.IntRange(1, 64), help="Models kept in memory at once (least recently used is unloaded).")
 @click.option("--queue", "queue_size", default=16, show_default=True, type=click.IntRange(1, 100000), help="Requests waiting per model; more get 429 with Retry-After.")
 @click.option("--ctx", "n_ctx", default=None, type=click.IntRange(64, 1 << 20), help="Context size per model [default: the model's, at most 4096].")
+@click.option("--parallel", default=None, type=click.IntRange(1, 64), help="Requests decoded together per model (continuous batching) [default: physical cores, 4 to 8].")
 @click.option("--threads", "n_threads", default=None, type=click.IntRange(1, 1024), help="CPU threads per model [default: physical cores].")
 @click.option("--access-log", is_flag=True, help="Log every request on stderr.")
-def serve_cmd(model, host, port, api_key, max_loaded, queue_size, n_ctx, n_threads, access_log) -> None:
+def serve_cmd(model, host, port, api_key, max_loaded, queue_size, n_ctx, parallel, n_threads, access_log) -> None:
     """Serve the store over an OpenAI-compatible API.
 
     \b
     Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions
-    (stream: true for SSE), GET /health. Models load on demand by store name;
+    (stream: true for SSE), GET /health, GET /metrics (Prometheus). Up to
+    --parallel requests per model are decoded together in one batch; a
+    prompt that starts like an earlier one reuses its KV cache (prefix
+    cache). Models load on demand by store name;
     MODEL is used when a request names none. Ctrl-C stops cleanly.
     """
     try:
@@ -34,15 +38,18 @@ def serve_cmd(model, host, port, api_key, max_loaded, queue_size, n_ctx, n_threa
     from edgellm.serve.app import ServerConfig, bind_warning, serve
 
     cfg = ServerConfig(default_model=model, host=host, port=port, api_key=api_key or None, max_loaded=max_loaded,
-                       queue_size=queue_size, n_ctx=n_ctx, n_threads=n_threads, access_log=access_log)
+                       queue_size=queue_size, n_ctx=n_ctx, n_threads=n_threads, access_log=access_log, parallel=parallel)
     warning = bind_warning(host, cfg.api_key)
     if warning:
         click.echo(f"warning: {warning}", err=True)
 
     def ready(url: str, app) -> None:
+        from edgellm.serve.app import describe
+
         default = app.state.models.default
         click.echo(f"edgellm serve: listening on {url}/v1 (default model: {default.name if default else 'none'}; "
                    f"max loaded {max_loaded}, queue {queue_size}{', API key required' if cfg.api_key else ''})")
+        click.echo(describe(app), err=True)
         click.echo("Ctrl-C to stop", err=True)
 
     serve(cfg, on_ready=ready)

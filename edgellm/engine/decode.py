@@ -248,7 +248,7 @@ def check_grammar(vocab: Any, gbnf: str) -> None:
     """
     from llama_cpp import _logger
 
-    from edgellm.engine.runtime import capture_native_stderr
+    from edgellm.engine.native_io import capture_native_stderr
 
     if not gbnf.strip():
         raise UsageError("the grammar is empty")

@@ -2,13 +2,14 @@
 
 Starlette + uvicorn (+ sse-starlette for streaming), not llama-cpp-python's
 own server: that one loads models from its own settings file and drives
-`Llama` directly, while this one must serve the edgellm store by name, go
-through `Runtime` (KV reuse, cancel tokens, stats) and queue per model.
+`Llama` directly, while this one serves the edgellm store by name and
+decodes concurrent requests together in one batch per model.
 
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`,
 `POST /v1/completions` (both with `stream: true` as OpenAI SSE chunks ending
-in `data: [DONE]`), and `GET /health`. Requests are parsed and validated here;
-models, queues and generation live in `edgellm.serve.pool`. Every failure is
+in `data: [DONE]`), `GET /health` and `GET /metrics` (Prometheus). Requests
+are parsed and validated in `edgellm.serve.requests`; models, queues and
+batched generation live in `edgellm.serve.pool`. Every failure is
 an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` with a
 4xx/5xx status, and the server keeps serving.
 
@@ -23,7 +24,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import re
 import signal
 import socket
 import threading
@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from edgellm import __version__
-from edgellm.errors import EdgeLLMError, UsageError
-from edgellm.engine.runtime import GenerationStats, SamplingParams
-from edgellm.serve.pool import ApiError, Job, JobRequest, ModelPool, ModelSpec, client_gone, shutting_down
+from edgellm.errors import UsageError
+from edgellm.engine.runtime import GenerationStats
+from edgellm.serve.pool import ApiError, Job, ModelPool, client_gone, shutting_down
+from edgellm.serve.requests import _bad, _Models, parse_chat, parse_completion
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-_SAFE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+:-]{0,160}$")  # store names and catalog refs, never paths
 
 
 @dataclass
@@ -54,6 +54,7 @@ class ServerConfig:
     n_ctx: Optional[int] = None
     n_threads: Optional[int] = None
     access_log: bool = False
+    parallel: Optional[int] = None  # sequences decoded together per model (None: pool.default_parallel())
 
 
 def is_loopback(host: str) -> bool:
@@ -71,189 +72,6 @@ def bind_warning(host: str, api_key: Optional[str]) -> Optional[str]:
         return None
     return (f"serving on {host} without --api-key: anyone who can reach this port can use your models; "
             "pass --api-key KEY (or bind 127.0.0.1)")
-
-
-# -- the model names clients may ask for -----------------------------------------
-
-
-class _Models:
-    def __init__(self, default_ref: Optional[str]) -> None:
-        self.default: Optional[ModelSpec] = None
-        if default_ref:
-            from edgellm.gguf.reader import read_gguf
-            from edgellm.models.resolve import resolve
-
-            res = resolve(default_ref)
-            info = read_gguf(res.path)  # a broken file fails now, in one line, not at the first request
-            name = res.record.name if res.record else res.path.stem
-            self.default = ModelSpec(name, res.path, info.context_length)
-
-    def find(self, requested: Optional[str]) -> ModelSpec:
-        if not requested:
-            if self.default is None:
-                raise ApiError(400, "you must give a model (this server has no default model)", param="model", code="model_required")
-            return self.default
-        if self.default is not None and requested == self.default.name:
-            return self.default
-        rec = None
-        if _SAFE_REF.match(requested) and ".." not in requested:
-            from edgellm.models.resolve import resolve
-            from edgellm.models.store import Store
-
-            rec = Store().find(requested)
-            if rec is None:
-                try:
-                    rec = resolve(requested).record  # catalog refs: `name`, `name:level`
-                except EdgeLLMError:
-                    rec = None
-        if rec is None or not rec.path.is_file():
-            raise ApiError(404, f"The model '{requested}' does not exist in the edgellm store (see GET /v1/models)",
-                           param="model", code="model_not_found")
-        return ModelSpec(rec.name, rec.path, rec.context_length)
-
-    def listing(self, loaded: list[str]) -> list[dict[str, Any]]:
-        from edgellm.models.store import Store
-
-        out = []
-        for rec in Store().list():
-            out.append(_model_obj(rec.name, int(rec.added), loaded, level=rec.level, size_bytes=rec.size_bytes,
-                                  context_length=rec.context_length, architecture=rec.architecture))
-        if self.default is not None and all(m["id"] != self.default.name for m in out):
-            out.append(_model_obj(self.default.name, int(time.time()), loaded, context_length=self.default.context_length))
-        return out
-
-
-def _model_obj(name: str, created: int, loaded: list[str], **extra: Any) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "edgellm", "loaded": name in loaded, **extra}
-
-
-# -- request parsing -----------------------------------------------------------
-
-
-def _bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-def _number(body: dict, key: str, lo: float, hi: float, *, integer: bool = False) -> Any:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise _bad(f"'{key}' must be {'an integer' if integer else 'a number'}", key, "invalid_type")
-    if not lo <= v <= hi:
-        raise _bad(f"'{key}' must be between {lo:g} and {hi:g}, not {v}", key, "invalid_value")
-    return v
-
-
-def _sampling(body: dict) -> tuple[SamplingParams, Optional[int]]:
-    if body.get("n") not in (None, 1):
-        raise _bad("only n=1 is supported", "n", "unsupported_value")
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
-        key = "echo" if body.get("echo") else "logprobs"
-        raise _bad(f"'{key}' is not supported by this server", key, "unsupported_parameter")
-    max_tokens = _number(body, "max_completion_tokens", 1, 1 << 31, integer=True)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", 1, 1 << 31, integer=True)
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
-    # presence/frequency penalties and logit_bias are accepted for compatibility and ignored.
-    sp = SamplingParams(stop=[s for s in stop if s])
-    for key, attr, lo, hi in (("temperature", "temperature", 0, 2), ("top_p", "top_p", 0, 1), ("min_p", "min_p", 0, 1),
-                              ("repeat_penalty", "repeat_penalty", 0, 10)):
-        v = _number(body, key, lo, hi)
-        if v is not None:
-            setattr(sp, attr, float(v))
-    top_k = _number(body, "top_k", 0, 1 << 20, integer=True)
-    if top_k is not None:
-        sp.top_k = top_k
-    sp.seed = _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
-    return sp, max_tokens
-
-
-def _grammar(body: dict) -> Optional[str]:
-    """GBNF for response_format: json_object → llama.cpp's JSON grammar; json_schema → from the schema."""
-    rf = body.get("response_format")
-    if rf is None:
-        return None
-    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-        raise _bad("'response_format' must be an object with a 'type'", "response_format", "invalid_type")
-    kind = rf["type"]
-    if kind == "text":
-        return None
-    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
-
-    if kind == "json_object":
-        return JSON_GBNF
-    if kind != "json_schema":
-        raise _bad(f"unknown response_format type '{kind}' (expected text, json_object or json_schema)", "response_format", "invalid_value")
-    js = rf.get("json_schema")
-    schema = js.get("schema") if isinstance(js, dict) else None
-    if not isinstance(schema, dict):
-        raise _bad("response_format.json_schema.schema must be a JSON Schema object", "response_format", "invalid_schema")
-    try:
-        from jsonschema.exceptions import SchemaError
-        from jsonschema.validators import validator_for
-
-        validator_for(schema).check_schema(schema)
-    except ImportError:  # the grammar converter below still refuses what it cannot read
-        pass
-    except SchemaError as e:
-        raise _bad(f"invalid JSON schema in response_format: {e.message}", "response_format", "invalid_schema") from None
-    try:
-        return json_schema_to_gbnf(json.dumps(schema))
-    except Exception as e:  # the converter raises bare Exceptions/KeyErrors for constructs it cannot express
-        raise _bad(f"this JSON schema cannot be turned into a grammar: {type(e).__name__}: {e}", "response_format", "invalid_schema") from None
-
-
-def _content_text(content: Any, i: int) -> Optional[str]:
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content", "unsupported_content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise _bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content", "invalid_type")
-
-
-def parse_chat(body: dict) -> JobRequest:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise _bad("'messages' must be a non-empty list", "messages", "invalid_type")
-    if body.get("tools") or body.get("functions"):
-        raise _bad("tools and functions are not supported by this server", "tools", "unsupported_parameter")
-    messages = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _bad(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]", "invalid_type")
-        role = "system" if m["role"] == "developer" else m["role"]
-        if role not in ("system", "user", "assistant", "tool"):
-            raise _bad(f"messages[{i}].role '{m['role']}' is not one of system, developer, user, assistant, tool", f"messages[{i}].role", "invalid_value")
-        messages.append({"role": role, "content": _content_text(m.get("content"), i) or ""})
-    sp, max_tokens = _sampling(body)
-    return JobRequest("chat", messages=messages, sampling=sp, max_tokens=max_tokens, gbnf=_grammar(body))
-
-
-def parse_completion(body: dict) -> JobRequest:
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    if isinstance(p, list) and p and not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        raise _bad("'prompt' must be a string, a list with one string, or a list of token ids", "prompt", "invalid_type")
-    if not isinstance(p, (str, list)) or (isinstance(p, list) and not p):
-        raise _bad("'prompt' must be a string, a list with one string, or a list of token ids", "prompt", "invalid_type")
-    if body.get("suffix"):
-        raise _bad("'suffix' is not supported by this server", "suffix", "unsupported_parameter")
-    sp, max_tokens = _sampling(body)
-    return JobRequest("completion", prompt=p, sampling=sp, max_tokens=16 if max_tokens is None else max_tokens,
-                      gbnf=_grammar(body))
 
 
 # -- responses -----------------------------------------------------------------
@@ -318,8 +136,14 @@ def create_app(config: ServerConfig, *, pool: Optional[ModelPool] = None):
     from starlette.routing import Route
 
     models = _Models(config.default_model)
+    from starlette.middleware import Middleware
+    from starlette.responses import PlainTextResponse
+
+    from edgellm.serve.metrics import CountStatus, Metrics
+
     pool = pool or ModelPool(max_loaded=config.max_loaded, queue_size=config.queue_size,
-                             n_ctx=config.n_ctx, n_threads=config.n_threads)
+                             n_ctx=config.n_ctx, n_threads=config.n_threads, parallel=config.parallel)
+    metrics = Metrics()
     fingerprint = f"edgellm-{__version__}"
 
     def check_auth(request: Request) -> None:
@@ -358,6 +182,10 @@ def create_app(config: ServerConfig, *, pool: Optional[ModelPool] = None):
             if m["id"] == mid:
                 return _json_response(m)
         raise ApiError(404, f"The model '{mid}' does not exist in the edgellm store", param="model", code="model_not_found")
+
+    async def get_metrics(request: Request):
+        check_auth(request)
+        return PlainTextResponse(metrics.render(pool), media_type="text/plain; version=0.0.4")
 
     async def health(request: Request):
         return _json_response({"status": "ok", "models": pool.status()})
@@ -440,7 +268,9 @@ def create_app(config: ServerConfig, *, pool: Optional[ModelPool] = None):
             Route("/v1/chat/completions", chat_route, methods=["POST"]),
             Route("/v1/completions", completion_route, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", get_metrics, methods=["GET"]),
         ],
+        middleware=[Middleware(CountStatus, metrics=metrics)],
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash},
         lifespan=lifespan,
     )
@@ -547,4 +377,23 @@ def serve(config: ServerConfig, *, on_ready: Callable[[str, Any], None] = lambda
         app.state.pool.close(timeout=5)
 
 
-__all__ = ["ServerConfig", "create_app", "serve", "open_socket", "bind_warning", "is_loopback", "parse_chat", "parse_completion"]
+
+
+def describe(app: Any) -> str:
+    """The start banner's second line: what is served, the parallel slots and the KV memory they share."""
+    from edgellm.engine.runtime import KV_BYTES_PER_ELEMENT
+    from edgellm.fsutil import human_size
+
+    pool, default = app.state.pool, app.state.models.default
+    line = f"{pool.parallel} parallel slots per model"
+    if default is not None:
+        from edgellm.gguf.reader import read_gguf
+
+        ctx = pool.model_ctx(default)
+        kv = read_gguf(default.path).kv_cache_bytes(ctx, bytes_per_elem=KV_BYTES_PER_ELEMENT[pool.base_options.kv_type])
+        line += (f"; {default.name}: {ctx} KV cells shared by the slots ({human_size(kv)} of KV cache, "
+                 f"{pool.base_options.kv_type}), up to {ctx} tokens per request")
+    return "edgellm serve: " + line
+
+
+__all__ = ["ServerConfig", "create_app", "serve", "open_socket", "bind_warning", "is_loopback", "parse_chat", "parse_completion", "describe"]

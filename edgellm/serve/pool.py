@@ -1,20 +1,22 @@
-"""The models behind `edgellm serve`: an LRU pool with one fair queue per model.
+"""The models behind `edgellm serve`: an LRU pool, one batching engine and one fair queue per model.
 
 A llama.cpp context is not thread-safe, so every model has exactly one worker
-thread that runs its requests one at a time, in arrival order (a FIFO deque
-with a bound: a full queue is refused at once with 429 rather than left to
-pile up). At most `max_loaded` models are in memory; a model that is needed
-while the pool is full evicts the least recently used idle one. Loads wait in
-their own FIFO line, and a loaded model with more work yields to a waiting
-one after its current request, so two models sharing one slot alternate
-instead of one starving the other.
+thread. It owns a `BatchEngine` (`edgellm.engine.batch`) with `parallel`
+sequence slots in one context: while a slot is free, the oldest queued
+request joins the running batch at the next decode step (FIFO: arrival
+order); a finished or cancelled request leaves it and frees its slot. The
+queue has a bound: a full queue is refused at once with 429 and a
+Retry-After rather than left to pile up. At most `max_loaded` models are in
+memory; a model that is needed while the pool is full evicts the least
+recently used idle one. Loads wait in their own FIFO line, and a loaded model
+with more work yields to a waiting one once its running requests are done,
+so two models sharing one slot alternate instead of one starving the other.
 
 The HTTP layer (`edgellm.serve.app`) never touches llama.cpp: it hands a `Job`
 to `ModelPool.submit()` and reads the job's events, which the worker posts
 through a callback (`("start", info)`, `("text", piece)`, `("end", stats)` or
-`("error", ApiError)`). Generation goes through `Runtime.stream` with the
-job's `CancelToken`, which is how a client that goes away or a shutdown stops
-a request after its current token.
+`("error", ApiError)`). A job's `CancelToken` (a client that goes away, a
+shutdown) frees its sequence at the next decode step.
 """
 
 from __future__ import annotations
@@ -28,13 +30,27 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from edgellm.errors import EdgeLLMError
+from edgellm.errors import EdgeLLMError, UsageError
 from edgellm.progress import CancelToken
-from edgellm.engine.runtime import GenerationStats, Runtime, RuntimeOptions, SamplingParams
+from edgellm.engine.runtime import Runtime, RuntimeOptions, SamplingParams
+
+try:  # the RAM estimate's default context, where that module exists
+    from edgellm.engine.memory import DEFAULT_CTX
+except ImportError:  # pragma: no cover
+    DEFAULT_CTX = 4096
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CTX = 4096  # when --ctx is not given: the model's own length, capped here to keep the KV cache small
+
+def default_parallel() -> int:
+    """Sequences decoded together per model: one per physical core, at least 4, at most 8.
+
+    On a CPU a decode step reads the weights once for the whole batch, so even
+    a two-core machine serves four clients with more total tokens/s than one.
+    """
+    from edgellm.engine.runtime import default_threads
+
+    return max(4, min(8, default_threads()))
 
 
 class ApiError(Exception):
@@ -84,7 +100,7 @@ class JobRequest:
     prompt: Union[str, list[int], None] = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: Optional[int] = None  # None: the rest of the context
-    gbnf: Optional[str] = None  # a grammar from response_format
+    constraint: Any = None  # an edgellm.chat.structured.Constraint from response_format
 
 
 class Job:
@@ -101,30 +117,38 @@ class _Slot:
     jobs: collections.deque = field(default_factory=collections.deque)
     runtime: Optional[Runtime] = None
     template: Any = None  # edgellm.chat.template.ChatTemplate of the loaded runtime
-    busy: bool = False
+    engine: Any = None  # edgellm.engine.batch.BatchEngine on the runtime
+    running: set = field(default_factory=set)  # jobs seated in the engine
+    admitting: int = 0
     loading: bool = False
-    current: Optional[Job] = None
     thread: Optional[threading.Thread] = None
     avg_job_seconds: float = 2.0  # moving average, for Retry-After
     served: int = 0
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.running) or self.admitting > 0
+
 
 class ModelPool:
-    """Loaded runtimes (LRU, at most `max_loaded`) and one worker thread per model."""
+    """Loaded runtimes (LRU, at most `max_loaded`) and one batching worker thread per model."""
 
     def __init__(self, *, max_loaded: int = 1, queue_size: int = 16, n_ctx: Optional[int] = None,
-                 n_threads: Optional[int] = None, runtime_options: Optional[RuntimeOptions] = None) -> None:
+                 n_threads: Optional[int] = None, runtime_options: Optional[RuntimeOptions] = None,
+                 parallel: Optional[int] = None) -> None:
         if max_loaded < 1 or queue_size < 1:
             raise ValueError("max_loaded and queue_size must be at least 1")
         self.max_loaded = max_loaded
         self.queue_size = queue_size
         self.n_ctx = n_ctx
         self.n_threads = n_threads
+        self.parallel = parallel or default_parallel()
         self.base_options = runtime_options or RuntimeOptions()
         self._cond = threading.Condition()
         self._slots: "collections.OrderedDict[str, _Slot]" = collections.OrderedDict()  # least recently used first
         self._load_line: collections.deque = collections.deque()
         self._closing = False
+        self.finished: collections.Counter = collections.Counter()  # stop reasons, for /metrics
 
     # -- called from the HTTP side ---------------------------------------------
 
@@ -137,7 +161,8 @@ class ModelPool:
             if slot is None:
                 slot = self._slots[spec.name] = _Slot(spec)
             if len(slot.jobs) >= self.queue_size:
-                wait = max(1, math.ceil(slot.avg_job_seconds * (len(slot.jobs) + 1)))
+                waves = math.ceil((len(slot.jobs) + 1) / self.parallel)
+                wait = max(1, math.ceil(slot.avg_job_seconds * waves))
                 raise ApiError(
                     429, f"the queue for model '{spec.name}' is full ({len(slot.jobs)} waiting); retry after {wait} s",
                     code="rate_limit_exceeded", headers={"Retry-After": str(wait)},
@@ -151,24 +176,37 @@ class ModelPool:
     def status(self) -> dict[str, Any]:
         with self._cond:
             return {
-                name: {"loaded": s.runtime is not None, "busy": s.busy, "queued": len(s.jobs), "served": s.served}
+                name: {"loaded": s.runtime is not None, "busy": s.busy, "queued": len(s.jobs), "active": len(s.running),
+                       "served": s.served}
                 for name, s in self._slots.items()
             }
+
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        """Per loaded model: queue depth, active sequences, token counters, KV use (for GET /metrics)."""
+        with self._cond:
+            out = {}
+            for name, s in self._slots.items():
+                e = s.engine
+                out[name] = {"queued": len(s.jobs), "active": len(s.running), "slots": self.parallel,
+                             "prompt_tokens": e.prompt_tokens if e else 0, "cached_tokens": e.cached_tokens if e else 0,
+                             "generated_tokens": e.generated_tokens if e else 0, "cache_hits": e.cache_hits if e else 0,
+                             "kv_tokens": e.kv_tokens() if e else 0, "kv_cells": e.n_ctx if e else 0}
+            return out
 
     def loaded(self) -> list[str]:
         with self._cond:
             return [n for n, s in self._slots.items() if s.runtime is not None]
 
     def begin_shutdown(self) -> None:
-        """Refuse new work, fail queued jobs, cancel the running ones (they stop after their current token)."""
+        """Refuse new work, fail queued jobs, cancel the running ones (they stop at the next step)."""
         with self._cond:
             self._closing = True
             dropped = []
             for s in self._slots.values():
                 dropped.extend(s.jobs)
                 s.jobs.clear()
-                if s.current is not None:
-                    s.current.cancel.cancel("the server is shutting down")
+                for job in s.running:
+                    job.cancel.cancel("the server is shutting down")
             self._cond.notify_all()
         for job in dropped:
             job.cancel.cancel("the server is shutting down")
@@ -186,9 +224,7 @@ class ModelPool:
             for s in self._slots.values():
                 # A worker that did not stop in time may still be inside llama.cpp: never free under it.
                 if s.runtime is not None and not (s.thread is not None and s.thread.is_alive()):
-                    s.template.close()
-                    s.runtime.close()
-                    s.runtime, s.template = None, None
+                    self._unload(s)
 
     # -- the worker ------------------------------------------------------------
 
@@ -196,7 +232,7 @@ class ModelPool:
         return sum(1 for s in self._slots.values() if s.runtime is not None or s.loading) >= self.max_loaded
 
     def _may_take(self, slot: _Slot) -> bool:
-        if not slot.jobs:
+        if not slot.jobs or len(slot.running) >= self.parallel:
             return False
         if slot.runtime is not None and self._load_line and self._load_line[0] is not slot and self._full():
             return False  # another model waits for memory: let it evict us before we start more work
@@ -205,37 +241,86 @@ class ModelPool:
     def _worker(self, slot: _Slot) -> None:
         while True:
             with self._cond:
-                while not self._closing and not self._may_take(slot):
+                while not self._closing and not slot.running and not self._may_take(slot):
                     self._cond.wait()
-                if self._closing:
+                if self._closing and not slot.running:
                     return
-                job = slot.jobs.popleft()
-                slot.busy, slot.current = True, job
-            t0 = time.perf_counter()
-            try:
-                if job.cancel.cancelled:  # its client left while it waited: never run it
-                    job.emit(("error", client_gone()))
-                    continue
-                self._run(slot, job)
-            except ApiError as e:
-                job.emit(("error", e))
-            except EdgeLLMError as e:
-                job.emit(("error", ApiError(500, str(e), type="server_error")))
-            except Exception as e:  # keep serving; the client gets a 500 and the log the traceback
-                log.exception("request on %s failed", slot.spec.name)
-                job.emit(("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")))
-            finally:
-                with self._cond:
-                    slot.busy, slot.current = False, None
-                    slot.served += 1
-                    slot.avg_job_seconds = 0.7 * slot.avg_job_seconds + 0.3 * (time.perf_counter() - t0)
-                    if slot.spec.name in self._slots:
-                        self._slots.move_to_end(slot.spec.name)
-                    self._cond.notify_all()
+                take = []
+                while not self._closing and self._may_take(slot) and len(slot.running) + len(take) < self.parallel:
+                    take.append(slot.jobs.popleft())
+                slot.admitting = len(take)
+            for job in take:
+                self._admit(slot, job)
+            with self._cond:
+                slot.admitting = 0
+            if slot.running:
+                try:
+                    slot.engine.step()
+                except Exception as e:  # a failed decode fails the batch, not the server
+                    log.exception("decode step on %s failed", slot.spec.name)
+                    err = ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+                    for job in list(slot.running):
+                        job.emit(("error", err))
+                        self._done(slot, job, "error")
+                    slot.engine.cancel_all()
+
+    def _done(self, slot: _Slot, job: Job, reason: str) -> None:
+        with self._cond:
+            slot.running.discard(job)
+            slot.served += 1
+            self.finished[reason] += 1
+            slot.avg_job_seconds = 0.7 * slot.avg_job_seconds + 0.3 * (time.perf_counter() - job.enqueued)
+            if slot.spec.name in self._slots:
+                self._slots.move_to_end(slot.spec.name)
+            self._cond.notify_all()
+
+    def _admit(self, slot: _Slot, job: Job) -> None:
+        """Seat a job in the engine (loading the model first if needed), or answer it with its error."""
+        from edgellm.engine.batch import Sequence
+
+        try:
+            if job.cancel.cancelled:  # its client left while it waited: never run it
+                raise client_gone()
+            queue_s = time.perf_counter() - job.enqueued
+            load_s = self._ensure_loaded(slot)
+            rt = slot.runtime
+            assert rt is not None
+            tokens, sampling = _prepare(rt, slot.template, job.request)
+            job.emit(("start", {"prompt_tokens": len(tokens), "queue_ms": queue_s * 1000.0, "load_ms": load_s * 1000.0}))
+
+            def emit(kind: str, value: Any, job: Job = job) -> None:
+                job.emit((kind, value))
+                if kind == "end":
+                    self._done(slot, job, value.stop_reason)
+
+            with self._cond:
+                slot.running.add(job)
+            slot.engine.add(Sequence(tokens, sampling, emit, cancel=job.cancel))
+            return
+        except ApiError as e:
+            err = e
+        except EdgeLLMError as e:
+            err = ApiError(500, str(e), type="server_error")
+        except Exception as e:  # keep serving; the client gets a 500 and the log the traceback
+            log.exception("request on %s failed", slot.spec.name)
+            err = ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+        with self._cond:
+            slot.running.add(job)
+        job.emit(("error", err))
+        self._done(slot, job, "error")
+
+    def _unload(self, s: _Slot) -> None:
+        if s.engine is not None:
+            s.engine.close()
+        if s.template is not None:
+            s.template.close()
+        if s.runtime is not None:
+            s.runtime.close()
+        s.runtime, s.template, s.engine = None, None, None
 
     def _ensure_loaded(self, slot: _Slot) -> float:
         """Load the slot's model if needed, evicting idle LRU models; returns the seconds spent loading."""
-        victims: list[tuple[Runtime, Any]] = []
+        victims: list[_Slot] = []
         with self._cond:
             if slot.runtime is not None:
                 return 0.0
@@ -251,8 +336,9 @@ class ModelPool:
                             if victim is None:
                                 break
                             log.info("unloading %s to make room for %s", victim.spec.name, slot.spec.name)
-                            victims.append((victim.runtime, victim.template))
-                            victim.runtime, victim.template = None, None
+                            gone = _Slot(victim.spec, runtime=victim.runtime, template=victim.template, engine=victim.engine)
+                            victims.append(gone)
+                            victim.runtime, victim.template, victim.engine = None, None, None
                         if not self._full():
                             break
                     self._cond.wait(0.5)
@@ -261,83 +347,75 @@ class ModelPool:
                 self._cond.notify_all()
             slot.loading = True
         t0 = time.perf_counter()
-        rt = template = None
         try:
-            for v, tmpl in victims:
-                tmpl.close()
-                v.close()
-            ctx = self.n_ctx or min(DEFAULT_CTX, slot.spec.context_length or DEFAULT_CTX)
+            for v in victims:
+                self._unload(v)
+            ctx = self.model_ctx(slot.spec)
             opts = replace(self.base_options, n_ctx=ctx, n_threads=self.n_threads or self.base_options.n_threads)
             loaded = Runtime(slot.spec.path, opts)
             try:
-                template = _chat_template(loaded)
+                from edgellm.chat.template import ChatTemplate
+                from edgellm.engine.batch import BatchEngine
+
+                # The GGUF's own chat template, rendered as `edgellm chat` renders it: sandboxed, in a
+                # time-limited worker process (the template is code from a downloaded file).
+                template = ChatTemplate.for_runtime(loaded, warn=log.warning)
+                engine = BatchEngine(loaded, self.parallel)
             except BaseException:
                 loaded.close()
                 raise
-            rt = loaded
-            log.info("loaded %s in %.2f s (ctx %d)", slot.spec.name, rt.load_seconds, ctx)
+            log.info("loaded %s in %.2f s (ctx %d, %d slots)", slot.spec.name, loaded.load_seconds, ctx, self.parallel)
+            with self._cond:
+                slot.runtime, slot.template, slot.engine = loaded, template, engine
         finally:
             with self._cond:
                 slot.loading = False
-                if rt is not None:
-                    slot.runtime, slot.template = rt, template
                 self._cond.notify_all()
         return time.perf_counter() - t0
 
-    def _run(self, slot: _Slot, job: Job) -> None:
-        req = job.request
-        queue_s = time.perf_counter() - job.enqueued
-        load_s = self._ensure_loaded(slot)
-        rt = slot.runtime
-        assert rt is not None
-        tokens, param = _prompt_tokens(rt, slot.template, req)
-        n_ctx, n_prompt = rt.n_ctx, len(tokens)
-        if n_prompt >= n_ctx:
-            raise ApiError(400, f"This model's maximum context length is {n_ctx} tokens. However, your "
-                           f"{'messages' if param == 'messages' else 'prompt'} resulted in {n_prompt} tokens. "
-                           "Please shorten it (or start the server with a larger --ctx).",
-                           param=param, code="context_length_exceeded")
-        if req.max_tokens is not None and n_prompt + req.max_tokens > n_ctx:
-            raise ApiError(400, f"This model's maximum context length is {n_ctx} tokens. However, you requested "
-                           f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the {param}, {req.max_tokens} in the "
-                           "completion). Please reduce the length of the prompt or max_tokens.",
-                           param="max_tokens", code="context_length_exceeded")
-        sampling = replace(req.sampling, max_tokens=req.max_tokens or (n_ctx - n_prompt))
-        if req.kind == "chat" and slot.template.stop_strings:  # the fallback template's turn marker
-            sampling.stop = list(sampling.stop) + slot.template.stop_strings
-        if req.gbnf:
-            sampling.grammar = _compile_grammar(rt, req.gbnf)
-        job.emit(("start", {"prompt_tokens": n_prompt, "queue_ms": queue_s * 1000.0, "load_ms": load_s * 1000.0}))
-        stats = GenerationStats()
-        for piece in rt.stream(tokens, sampling, cancel=job.cancel, stats=stats):
-            job.emit(("text", piece))
-        job.emit(("end", stats))
+    def model_ctx(self, spec: ModelSpec) -> int:
+        """The context (KV cells, shared by the model's slots) a model gets."""
+        return self.n_ctx or min(DEFAULT_CTX, spec.context_length or DEFAULT_CTX)
 
 
 # -- prompts -------------------------------------------------------------------
 
 
-def _chat_template(rt: Runtime) -> Any:
-    """The GGUF's own chat template, rendered as `edgellm chat` renders it: sandboxed, in a
-    time-limited worker process (the template is code from a downloaded file)."""
-    from edgellm.chat.template import ChatTemplate
-
-    return ChatTemplate.for_runtime(rt, warn=log.warning)
+def _prepare(rt: Runtime, template: Any, req: JobRequest) -> tuple[list[int], SamplingParams]:
+    """The prompt's tokens and the request's sampling, checked against the context; 400s for what does not fit."""
+    tokens, param = _prompt_tokens(rt, template, req)
+    n_ctx, n_prompt = rt.n_ctx, len(tokens)
+    if n_prompt >= n_ctx:
+        raise ApiError(400, f"This model's maximum context length is {n_ctx} tokens. However, your "
+                       f"{'messages' if param == 'messages' else 'prompt'} resulted in {n_prompt} tokens. "
+                       "Please shorten it (or start the server with a larger --ctx).",
+                       param=param, code="context_length_exceeded")
+    if req.max_tokens is not None and n_prompt + req.max_tokens > n_ctx:
+        raise ApiError(400, f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+                       f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the {param}, {req.max_tokens} in the "
+                       "completion). Please reduce the length of the prompt or max_tokens.",
+                       param="max_tokens", code="context_length_exceeded")
+    sampling = replace(req.sampling, max_tokens=req.max_tokens or (n_ctx - n_prompt))
+    if req.kind == "chat" and template.stop_strings:  # the fallback template's turn marker
+        sampling.stop = list(sampling.stop) + template.stop_strings
+    if req.constraint is not None:
+        try:
+            req.constraint.check(rt)  # llama.cpp's own parser, as `edgellm chat` checks it
+        except UsageError as e:
+            raise ApiError(400, f"response_format: {e}", param="response_format", code="invalid_schema") from None
+        sampling.grammar = req.constraint.gbnf
+    return tokens, sampling
 
 
 def _prompt_tokens(rt: Runtime, template: Any, req: JobRequest) -> tuple[list[int], str]:
     if req.kind == "chat":
+        from edgellm.chat.session import template_tokens
+
         try:
-            text = template.render(req.messages, add_generation_prompt=True)
+            return template_tokens(rt, template, req.messages or []), "messages"
         except Exception as e:  # raise_exception() in the template, a Jinja error, or a render over its time limit
             raise ApiError(400, f"the model's chat template refused these messages: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
                            param="messages", code="invalid_messages") from None
-        # As in edgellm.chat.session: when the vocab adds BOS and the template also wrote it, keep one BOS token.
-        add_bos = rt.add_bos
-        bos_text = rt.token_text(rt.token_bos()) if add_bos else ""
-        if bos_text and text.startswith(bos_text):
-            text = text[len(bos_text):]
-        return rt.tokenize(text, add_bos=add_bos, special=True), "messages"
     if isinstance(req.prompt, list):
         n_vocab = rt.llm.n_vocab()
         if not req.prompt or any(t < 0 or t >= n_vocab for t in req.prompt):
@@ -346,17 +424,4 @@ def _prompt_tokens(rt: Runtime, template: Any, req: JobRequest) -> tuple[list[in
     return rt.tokenize(req.prompt or "", add_bos=True, special=True), "prompt"
 
 
-def _compile_grammar(rt: Runtime, gbnf: str) -> Any:
-    """A LlamaGrammar, after proving llama.cpp parses it (a NULL sampler would crash generation)."""
-    import llama_cpp
-    from llama_cpp.llama_grammar import LlamaGrammar
-
-    ptr = llama_cpp.llama_sampler_init_grammar(rt.llm._model.vocab, gbnf.encode("utf-8"), b"root")
-    if not ptr:
-        raise ApiError(400, "llama.cpp could not compile the grammar made from response_format",
-                       param="response_format", code="invalid_schema")
-    llama_cpp.llama_sampler_free(ptr)
-    return LlamaGrammar.from_string(gbnf)
-
-
-__all__ = ["ApiError", "Job", "JobRequest", "ModelPool", "ModelSpec", "DEFAULT_CTX"]
+__all__ = ["ApiError", "Job", "JobRequest", "ModelPool", "ModelSpec", "DEFAULT_CTX", "default_parallel"]

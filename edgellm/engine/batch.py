@@ -1,0 +1,248 @@
+"""Continuous batching: up to N sequences decoded together in one llama.cpp context.
+
+On a CPU each decode step reads every weight once, whether the batch holds
+one token or eight, so decoding the running sequences together raises the
+total tokens/s with the number of clients. `BatchEngine.step()` builds one
+`llama_batch`: the last sampled token of every generating sequence, then the
+remaining room filled with prompt chunks of newcomers (a chunk at most
+`prompt_chunk` tokens per newcomer per step, so a long prompt does not stall
+the others' generation for more than one chunk). After `llama_decode` each
+sequence samples from its own output row with its own sampler chain.
+
+The KV cache is unified (`kv_unified`): all sequences share its `n_ctx`
+cells, and a sequence's cells stay in the cache after it finishes. A newcomer
+whose prompt starts with tokens another sequence (running or finished) holds
+gets them by `llama_memory_seq_cp` instead of recomputing them: the prefix
+cache. When llama.cpp finds no room for a batch, the least recently used
+finished sequences are dropped first.
+
+Not thread-safe: one thread (the model's worker in `edgellm.serve.pool`)
+calls `add`, `step` and `cancel_all`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import llama_cpp
+
+from edgellm.engine.decode import Batch, Sampler, TextStream, common_prefix
+from edgellm.engine.runtime import GenerationStats, SamplingParams
+
+
+@dataclass
+class Sequence:
+    """One request inside the engine; `emit(kind, value)` gets ("text", str) and finally ("end", GenerationStats)."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    emit: Callable[[str, Any], None]
+    cancel: Any = None  # a CancelToken
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    # engine state
+    slot: int = -1
+    n_done: int = 0  # prompt tokens in the KV cache
+    out: int = -1  # this step's output row, or -1
+    last: int = -1  # the token sampled last, not yet decoded
+    chunk: int = 0  # prompt tokens in this step's batch
+    sampler: Optional[Sampler] = None
+    text: Optional[TextStream] = None
+    t0: float = 0.0
+    t_first: float = 0.0
+
+
+def open_parallel_context(rt: Any, n_seq: int) -> None:
+    """Give the runtime a context with `n_seq` sequences over one unified KV cache of the same size.
+
+    llama-cpp-python creates its context with one sequence and no option for
+    more, so the engine replaces it (the old one is freed first: the KV
+    memory is never held twice).
+    """
+    from llama_cpp import _internals
+
+    llm = rt.llm
+    params = llm.context_params
+    if params.n_seq_max == n_seq and params.kv_unified:
+        return
+    llm._ctx.close()
+    params.n_seq_max = n_seq
+    params.kv_unified = True
+    llm._ctx = _internals.LlamaContext(model=llm._model, params=params, verbose=False)
+    rt._kv = []
+
+
+class BatchEngine:
+    def __init__(self, rt: Any, n_parallel: int, *, prompt_chunk: int = 256) -> None:
+        if n_parallel > 1:
+            open_parallel_context(rt, n_parallel)
+        self.rt = rt
+        self.n_parallel = n_parallel
+        self.ctx = rt.llm.ctx
+        self.vocab = rt.llm._model.vocab
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.n_ctx = rt.n_ctx
+        self.batch = Batch(max(n_parallel, min(rt.options.n_batch, self.n_ctx)), 1)
+        self.prompt_chunk = max(1, prompt_chunk)
+        self.slots: list[Optional[Sequence]] = [None] * n_parallel
+        self.cached: list[list[int]] = [[] for _ in range(n_parallel)]  # tokens each seq_id holds in the KV cache
+        self.used_at = [0.0] * n_parallel
+        self.default_seed = rt.options.seed
+        # counters for /metrics
+        self.prompt_tokens = self.cached_tokens = self.generated_tokens = self.cache_hits = 0
+
+    # -- admission -------------------------------------------------------------
+
+    def free(self) -> int:
+        return sum(1 for s in self.slots if s is None)
+
+    def active(self) -> int:
+        return self.n_parallel - self.free()
+
+    def kv_tokens(self) -> int:
+        """Tokens held per sequence, summed (a prefix shared by seq_cp is counted once per sequence)."""
+        return sum(len(c) for c in self.cached)
+
+    def add(self, seq: Sequence) -> None:
+        """Seat `seq` in a free slot, reusing the longest cached prefix of its prompt."""
+        prompt = seq.prompt
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        if not free:
+            raise RuntimeError("no free sequence slot")
+        # The free slot with the longest common prefix; ties go to the least recently used.
+        dst = max(free, key=lambda i: (common_prefix(self.cached[i], prompt), -self.used_at[i]))
+        own = common_prefix(self.cached[dst], prompt)
+        src, best = dst, own
+        for i in range(self.n_parallel):
+            if i != dst and len(self.cached[i]) > best:
+                n = common_prefix(self.cached[i], prompt)
+                if n > best:
+                    src, best = i, n
+        keep = min(best, len(prompt) - 1)  # the last prompt token is decoded again for its logits
+        if src == dst:
+            llama_cpp.llama_memory_seq_rm(self.mem, dst, keep, -1)
+        else:
+            llama_cpp.llama_memory_seq_rm(self.mem, dst, -1, -1)
+            if keep > 0:
+                llama_cpp.llama_memory_seq_cp(self.mem, src, dst, 0, keep)
+        self.cached[dst] = list(prompt[:keep])
+        seq.slot, seq.n_done = dst, keep
+        seq.sampler = Sampler(self.vocab, seq.sampling, default_seed=self.default_seed)
+        seq.text = TextStream(self.vocab, seq.sampling.stop)
+        st = seq.stats
+        st.prompt_tokens, st.reused_tokens, st.evaluated_prompt_tokens = len(prompt), keep, len(prompt) - keep
+        st.stop_reason = "length"
+        seq.t0 = time.perf_counter()
+        self.slots[dst] = seq
+        self.prompt_tokens += len(prompt)
+        self.cached_tokens += keep
+        self.cache_hits += keep > 0
+
+    # -- one decode step ---------------------------------------------------------
+
+    def step(self) -> int:
+        """One llama_decode over every active sequence; returns the tokens decoded (0: nothing to do)."""
+        for s in self.slots:
+            if s is not None and s.cancel is not None and s.cancel.cancelled:
+                self._finish(s, "cancelled")
+        seqs = [s for s in self.slots if s is not None]
+        if not seqs:
+            return 0
+        b = self.batch
+        while True:
+            b.clear()
+            for s in seqs:
+                s.out, s.chunk = -1, 0
+                if s.last >= 0:
+                    s.out = b.add(s.last, len(self.cached[s.slot]), s.slot, True)
+            room = b.capacity - b.n
+            # Chunks only matter while others generate; alone, a prompt takes the whole batch.
+            limit = self.prompt_chunk if b.n else b.capacity
+            for s in seqs:
+                left = len(s.prompt) - s.n_done
+                if left <= 0 or room <= 0:
+                    continue
+                k = s.chunk = min(left, room, limit)
+                for j in range(s.n_done, s.n_done + k):
+                    i = b.add(s.prompt[j], j, s.slot, j == len(s.prompt) - 1)
+                if s.n_done + k == len(s.prompt):
+                    s.out = i
+                room -= k
+            if b.decode(self.ctx) == 0:
+                break
+            if not self._evict_one():  # no idle cache left to drop: the youngest sequence gives way
+                self._finish(max(seqs, key=lambda s: s.t0), "length")
+                seqs = [s for s in self.slots if s is not None]
+                if not seqs:
+                    return 0
+        n = b.n
+        now = time.perf_counter()
+        for s in seqs:
+            cached = self.cached[s.slot]
+            if s.last >= 0:
+                cached.append(s.last)
+            elif s.chunk:
+                cached.extend(s.prompt[s.n_done:s.n_done + s.chunk])
+                s.n_done += s.chunk
+            if s.out >= 0:
+                self._sample(s, now)
+        return n
+
+    def _sample(self, s: Sequence, now: float) -> None:
+        tok = s.sampler.sample(self.ctx, s.out)
+        st = s.stats
+        if not s.t_first:
+            s.t_first = now
+            st.ttft_seconds = st.prompt_seconds = now - s.t0
+        if llama_cpp.llama_vocab_is_eog(self.vocab, tok):
+            return self._finish(s, "eos")
+        st.generated_tokens += 1
+        self.generated_tokens += 1
+        piece = s.text.push(tok)
+        if piece:
+            s.emit("text", piece)
+        if s.text.stopped:
+            return self._finish(s, "stop")
+        if st.generated_tokens >= s.sampling.max_tokens or len(self.cached[s.slot]) + 1 >= self.n_ctx:
+            return self._finish(s, "length")
+        s.last = tok
+
+    def _finish(self, s: Sequence, reason: str) -> None:
+        st = s.stats
+        st.stop_reason = reason
+        now = time.perf_counter()
+        if s.t_first:
+            st.generation_seconds = now - s.t_first
+        else:
+            st.prompt_seconds = now - s.t0
+        if reason != "stop":
+            tail = s.text.flush()
+            if tail:
+                s.emit("text", tail)
+        s.sampler.close()
+        self.slots[s.slot] = None
+        self.used_at[s.slot] = now
+        s.emit("end", st)
+
+    def _evict_one(self) -> bool:
+        """Drop the least recently used finished sequence's cells; False when there is none."""
+        idle = [i for i, s in enumerate(self.slots) if s is None and self.cached[i]]
+        if not idle:
+            return False
+        i = min(idle, key=lambda i: self.used_at[i])
+        llama_cpp.llama_memory_seq_rm(self.mem, i, -1, -1)
+        self.cached[i] = []
+        return True
+
+    def cancel_all(self, reason: str = "cancelled") -> None:
+        for s in list(self.slots):
+            if s is not None:
+                self._finish(s, reason)
+
+    def close(self) -> None:
+        self.cancel_all()
+        self.batch.close()
+
+
+__all__ = ["BatchEngine", "Sequence", "open_parallel_context"]

@@ -1,0 +1,88 @@
+"""`GET /metrics`: the server's counters in Prometheus' text format (version 0.0.4).
+
+Requests are counted by HTTP status by an ASGI wrapper around the whole app
+(so a 400 from parsing counts as much as a 200 from a model); the rest comes
+from the model pool at scrape time: queue depth, active sequences, prompt,
+cached and generated tokens, prefix-cache hits and KV use per model.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.by_status: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[float, int]] = {}  # model → (time, generated) at the previous scrape
+
+    def count(self, status: int) -> None:
+        with self._lock:
+            self.by_status[status] += 1
+
+    def render(self, pool: Any) -> str:
+        out: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, Any]]) -> None:
+            out.append(f"# HELP edgellm_{name} {help_}")
+            out.append(f"# TYPE edgellm_{name} {kind}")
+            for labels, value in samples:
+                out.append(f"edgellm_{name}{labels} {value}")
+
+        with self._lock:
+            statuses = sorted(self.by_status.items())
+        metric("requests_total", "counter", "HTTP responses by status code.",
+               [(f'{{status="{s}"}}', n) for s, n in statuses])
+        per = pool.metrics()
+        now = time.monotonic()
+        rates = []
+        for name, m in per.items():
+            t0, g0 = self._last.get(name, (now, m["generated_tokens"]))
+            rates.append((name, (m["generated_tokens"] - g0) / (now - t0) if now > t0 else 0.0))
+            self._last[name] = (now, m["generated_tokens"])
+
+        def by_model(key: str) -> list[tuple[str, Any]]:
+            return [(f'{{model="{_esc(n)}"}}', m[key]) for n, m in per.items()]
+
+        metric("queue_depth", "gauge", "Requests waiting for a sequence slot.", by_model("queued"))
+        metric("active_sequences", "gauge", "Requests being decoded in the batch.", by_model("active"))
+        metric("sequence_slots", "gauge", "Sequences a model decodes together (--parallel).", by_model("slots"))
+        metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", by_model("prompt_tokens"))
+        metric("cached_prompt_tokens_total", "counter", "Prompt tokens served from the prefix cache.", by_model("cached_tokens"))
+        metric("prefix_cache_hits_total", "counter", "Requests that reused a cached prefix.", by_model("cache_hits"))
+        metric("generated_tokens_total", "counter", "Tokens generated.", by_model("generated_tokens"))
+        metric("generated_tokens_per_second", "gauge", "Generated tokens per second since the previous scrape.",
+               [(f'{{model="{_esc(n)}"}}', round(r, 3)) for n, r in rates])
+        metric("kv_tokens", "gauge", "Tokens held in the KV cache, summed over sequences (a shared prefix once per sequence).",
+               by_model("kv_tokens"))
+        metric("kv_cells", "gauge", "KV cache cells of the model's context (shared by its sequences).", by_model("kv_cells"))
+        return "\n".join(out) + "\n"
+
+
+class CountStatus:
+    """ASGI middleware: every HTTP response counted by status in `metrics`."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_counting(message):
+            if message["type"] == "http.response.start":
+                self.metrics.count(int(message["status"]))
+            await send(message)
+
+        return await self.app(scope, receive, send_counting)
+
+
+def _esc(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+__all__ = ["Metrics", "CountStatus"]

@@ -1,0 +1,199 @@
+"""Requests to `edgellm serve`: which models a client may name, and the request bodies parsed and checked.
+
+Everything here runs on the HTTP side before a job is queued, so a bad
+request is a 4xx at once and never takes a place in a model's queue.
+Structured output reuses the chat core's converter and checks
+(`edgellm.chat.structured`), as `edgellm chat --json-schema` does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any, Optional
+
+from edgellm.errors import EdgeLLMError, UsageError
+from edgellm.engine.runtime import SamplingParams
+from edgellm.serve.pool import ApiError, JobRequest, ModelSpec
+
+_SAFE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+:-]{0,160}$")  # store names and catalog refs, never paths
+
+
+# -- the model names clients may ask for -----------------------------------------
+
+
+class _Models:
+    def __init__(self, default_ref: Optional[str]) -> None:
+        self.default: Optional[ModelSpec] = None
+        if default_ref:
+            from edgellm.gguf.reader import read_gguf
+            from edgellm.models.resolve import resolve
+
+            res = resolve(default_ref)
+            info = read_gguf(res.path)  # a broken file fails now, in one line, not at the first request
+            name = res.record.name if res.record else res.path.stem
+            self.default = ModelSpec(name, res.path, info.context_length)
+
+    def find(self, requested: Optional[str]) -> ModelSpec:
+        if not requested:
+            if self.default is None:
+                raise ApiError(400, "you must give a model (this server has no default model)", param="model", code="model_required")
+            return self.default
+        if self.default is not None and requested == self.default.name:
+            return self.default
+        rec = None
+        if _SAFE_REF.match(requested) and ".." not in requested:
+            from edgellm.models.resolve import resolve
+            from edgellm.models.store import Store
+
+            rec = Store().find(requested)
+            if rec is None:
+                try:
+                    rec = resolve(requested).record  # catalog refs: `name`, `name:level`
+                except EdgeLLMError:
+                    rec = None
+        if rec is None or not rec.path.is_file():
+            raise ApiError(404, f"The model '{requested}' does not exist in the edgellm store (see GET /v1/models)",
+                           param="model", code="model_not_found")
+        return ModelSpec(rec.name, rec.path, rec.context_length)
+
+    def listing(self, loaded: list[str]) -> list[dict[str, Any]]:
+        from edgellm.models.store import Store
+
+        out = []
+        for rec in Store().list():
+            out.append(_model_obj(rec.name, int(rec.added), loaded, level=rec.level, size_bytes=rec.size_bytes,
+                                  context_length=rec.context_length, architecture=rec.architecture))
+        if self.default is not None and all(m["id"] != self.default.name for m in out):
+            out.append(_model_obj(self.default.name, int(time.time()), loaded, context_length=self.default.context_length))
+        return out
+
+
+def _model_obj(name: str, created: int, loaded: list[str], **extra: Any) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "edgellm", "loaded": name in loaded, **extra}
+
+
+# -- request parsing -----------------------------------------------------------
+
+
+def _bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def _number(body: dict, key: str, lo: float, hi: float, *, integer: bool = False) -> Any:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise _bad(f"'{key}' must be {'an integer' if integer else 'a number'}", key, "invalid_type")
+    if not lo <= v <= hi:
+        raise _bad(f"'{key}' must be between {lo:g} and {hi:g}, not {v}", key, "invalid_value")
+    return v
+
+
+def _sampling(body: dict) -> tuple[SamplingParams, Optional[int]]:
+    if body.get("n") not in (None, 1):
+        raise _bad("only n=1 is supported", "n", "unsupported_value")
+    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
+        key = "echo" if body.get("echo") else "logprobs"
+        raise _bad(f"'{key}' is not supported by this server", key, "unsupported_parameter")
+    max_tokens = _number(body, "max_completion_tokens", 1, 1 << 31, integer=True)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", 1, 1 << 31, integer=True)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    # presence/frequency penalties and logit_bias are accepted for compatibility and ignored.
+    sp = SamplingParams(stop=[s for s in stop if s])
+    for key, attr, lo, hi in (("temperature", "temperature", 0, 2), ("top_p", "top_p", 0, 1), ("min_p", "min_p", 0, 1),
+                              ("repeat_penalty", "repeat_penalty", 0, 10)):
+        v = _number(body, key, lo, hi)
+        if v is not None:
+            setattr(sp, attr, float(v))
+    top_k = _number(body, "top_k", 0, 1 << 20, integer=True)
+    if top_k is not None:
+        sp.top_k = top_k
+    sp.seed = _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
+    return sp, max_tokens
+
+
+def _constraint(body: dict) -> Any:
+    """response_format as a chat-core Constraint: json_object → llama.cpp's JSON grammar; json_schema → from the schema."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise _bad("'response_format' must be an object with a 'type'", "response_format", "invalid_type")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    from edgellm.chat import structured
+
+    if kind == "json_object":
+        from llama_cpp.llama_grammar import JSON_GBNF
+
+        return structured.from_gbnf(JSON_GBNF, source="response_format")
+    if kind != "json_schema":
+        raise _bad(f"unknown response_format type '{kind}' (expected text, json_object or json_schema)", "response_format", "invalid_value")
+    js = rf.get("json_schema")
+    schema = js.get("schema") if isinstance(js, dict) else None
+    if not isinstance(schema, dict):
+        raise _bad("response_format.json_schema.schema must be a JSON Schema object", "response_format", "invalid_schema")
+    try:
+        return structured.from_json_schema(json.dumps(schema), source="in response_format")
+    except UsageError as e:
+        raise _bad(str(e), "response_format", "invalid_schema") from None
+
+
+def _content_text(content: Any, i: int) -> Optional[str]:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content", "unsupported_content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content", "invalid_type")
+
+
+def parse_chat(body: dict) -> JobRequest:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("'messages' must be a non-empty list", "messages", "invalid_type")
+    if body.get("tools") or body.get("functions"):
+        raise _bad("tools and functions are not supported by this server", "tools", "unsupported_parameter")
+    messages = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]", "invalid_type")
+        role = "system" if m["role"] == "developer" else m["role"]
+        if role not in ("system", "user", "assistant", "tool"):
+            raise _bad(f"messages[{i}].role '{m['role']}' is not one of system, developer, user, assistant, tool", f"messages[{i}].role", "invalid_value")
+        messages.append({"role": role, "content": _content_text(m.get("content"), i) or ""})
+    sp, max_tokens = _sampling(body)
+    return JobRequest("chat", messages=messages, sampling=sp, max_tokens=max_tokens, constraint=_constraint(body))
+
+
+def parse_completion(body: dict) -> JobRequest:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, list) and p and not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        raise _bad("'prompt' must be a string, a list with one string, or a list of token ids", "prompt", "invalid_type")
+    if not isinstance(p, (str, list)) or (isinstance(p, list) and not p):
+        raise _bad("'prompt' must be a string, a list with one string, or a list of token ids", "prompt", "invalid_type")
+    if body.get("suffix"):
+        raise _bad("'suffix' is not supported by this server", "suffix", "unsupported_parameter")
+    sp, max_tokens = _sampling(body)
+    return JobRequest("completion", prompt=p, sampling=sp, max_tokens=16 if max_tokens is None else max_tokens,
+                      constraint=_constraint(body))
+
+
+__all__ = ["parse_chat", "parse_completion", "_Models", "_bad"]
