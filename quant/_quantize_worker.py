@@ -8,7 +8,10 @@ process reports success.
 
 Protocol: argv[1] is the parent's pid. The parent starts the worker early
 (its start-up overlaps the parent's validation) and then sends jobs on stdin,
-one JSON object per line: {input, output, ftype, nthread, allow_requantize}.
+one JSON object per line: {input, output, ftype, nthread, allow_requantize}
+and optionally imatrix (a GGUF imatrix file), imatrix_label (the file name
+recorded in the output, as llama-quantize records its --imatrix argument),
+tt_overrides ([[regex, ggml type id], ...]) and dry_run.
 For each, on a private copy of stdout, the child writes one JSON object per
 line: {"log": text, "level": n} for every complete llama.cpp log line
 (captured with `llama_log_set`), then {"done": rc, "seconds": s}. It exits
@@ -81,6 +84,55 @@ def _bindings():
     return llama_cpp
 
 
+def _extra_params(L, params, job: dict) -> list:
+    """The C arrays llama-quantize builds for --imatrix, --tensor-type and
+    --dry-run (tools/quantize/quantize.cpp), in its order, so the output is
+    byte-identical. Returns the Python objects the pointers point into."""
+    keep: list = []
+    if job.get("imatrix"):
+        from quant.imatrix_file import read_imatrix
+
+        m = read_imatrix(job["imatrix"])
+        arr = (L.llama_model_imatrix_data * (len(m.entries) + 1))()
+        for i, (name, e) in enumerate(m.entries.items()):
+            data = e.normalized()
+            key = name.encode()
+            keep += [data, key]
+            arr[i].name, arr[i].size = key, data.size
+            arr[i].data = data.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        arr[len(m.entries)].name = None
+        params.imatrix = arr
+        kvs = [("quantize.imatrix.file", 3, job.get("imatrix_label") or job["imatrix"])]
+        if m.datasets:
+            kvs.append(("quantize.imatrix.dataset", 3, m.datasets[0]))
+        kvs.append(("quantize.imatrix.entries_count", 0, len(m.entries)))
+        if m.chunk_count > 0:
+            kvs.append(("quantize.imatrix.chunks_count", 0, m.chunk_count))
+        kv = (L.llama_model_kv_override * (len(kvs) + 1))()
+        for i, (k, tag, v) in enumerate(kvs):
+            kv[i].key, kv[i].tag = k.encode(), tag
+            if tag == 3:
+                kv[i].value.val_str = v.encode()[:127]
+            else:
+                kv[i].value.val_i64 = int(v)
+        kv[len(kvs)].key = b""
+        params.kv_overrides = kv
+        keep += [arr, kv]
+    if job.get("tt_overrides"):
+        tt = (L.llama_model_tensor_override * (len(job["tt_overrides"]) + 1))()
+        for i, (pattern, type_id) in enumerate(job["tt_overrides"]):
+            b = pattern.encode()
+            keep.append(b)
+            tt[i].pattern, tt[i].type = b, int(type_id)
+        tt[len(job["tt_overrides"])].pattern = None
+        tt[len(job["tt_overrides"])].type = 43  # GGML_TYPE_COUNT, llama-quantize's terminator
+        params.tt_overrides = tt
+        keep.append(tt)
+    if job.get("dry_run"):
+        params.dry_run = True
+    return keep
+
+
 def main() -> int:
     _die_with_parent(int(sys.argv[1]))
     # The parent decides about Ctrl-C; a file size limit must become a write
@@ -126,6 +178,7 @@ def main() -> int:
             params.ftype = int(job["ftype"])
             params.nthread = int(job["nthread"])
             params.allow_requantize = bool(job["allow_requantize"])
+            keep = _extra_params(L, params, job)  # noqa: F841 (C pointers into these must outlive the call)
             t0 = time.perf_counter()
             rc = L.llama_model_quantize(job["input"].encode(), job["output"].encode(), ctypes.byref(params))
             seconds = time.perf_counter() - t0

@@ -84,6 +84,7 @@ class QuantizeResult:
     threads: int = 0
     warnings: list[str] = field(default_factory=list)
     record: Optional[ModelRecord] = None
+    imatrix: Optional[dict[str, Any]] = None  # the importance matrix used (quant.imatrix.ImatrixChoice.lineage)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -104,6 +105,7 @@ class QuantizeResult:
             "parent": self.parent,
             "sha256": self.sha256,
             "warnings": self.warnings,
+            "imatrix": self.imatrix,
         }
 
 
@@ -116,6 +118,7 @@ def quantize(
     allow_requantize: bool = False,
     force: bool = False,
     jobs: Optional[int] = None,
+    imatrix: Optional[str] = None,
     store: Optional[Store] = None,
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
@@ -133,6 +136,11 @@ def quantize(
     `force`, disk space) before the first one starts; levels then run in
     order (two at a time, see `jobs`), and each finished level stays
     registered if another one fails. Results come back in the order asked.
+
+    `imatrix` (a stored matrix's name, an imatrix GGUF file, or "auto": see
+    quant.imatrix.choose_imatrix) is passed to llama.cpp as llama-quantize
+    --imatrix passes it; it makes the levels that need one available and
+    names the outputs `<base>-<level>-imat`.
 
     Raises UsageError (unknown level, no level, -o file with several levels),
     ModelNotFound, GGUFError, QuantizeError (importance matrix needed, same
@@ -163,8 +171,8 @@ def quantize(
         for n in _split(nthread, n_slots):
             workers.append(Worker(events, n))
         return _quantize_all(model_ref_or_path, wanted, workers, events, output=output, nthread=nthread,
-                             allow_requantize=allow_requantize, force=force, store=store, on_progress=on_progress,
-                             cancel=cancel)
+                             allow_requantize=allow_requantize, force=force, imatrix=imatrix, store=store,
+                             on_progress=on_progress, cancel=cancel)
     finally:
         for w in workers:
             w.close()
@@ -188,6 +196,7 @@ def _quantize_all(
     nthread: int,
     allow_requantize: bool,
     force: bool,
+    imatrix: Optional[str],
     store: Store,
     on_progress: ProgressCallback,
     cancel: Optional[CancelToken],
@@ -197,13 +206,20 @@ def _quantize_all(
     label = resolved.label
     if info.split_count > 1:
         raise QuantizeError(f"{label} is a split GGUF; merge it first (llama-gguf-split --merge)")
-    warnings = _check_levels(wanted, info, label, allow_requantize=allow_requantize)
+    warnings = _check_levels(wanted, info, label, allow_requantize=allow_requantize, has_imatrix=imatrix is not None)
+    choice = None
+    if imatrix is not None:
+        from quant.imatrix import choose_imatrix
+
+        choice = choose_imatrix(imatrix, resolved, store=store, on_progress=on_progress, cancel=cancel)
 
     if output is not None and len(wanted) > 1:
         out = Path(output).expanduser()
         if not out.is_dir():
             raise UsageError(f"-o {output}: with several levels, -o must be an existing folder")
-    plans = [plan_output(resolved, info, lv.key, output=output, name=None, force=force, store=store) for lv in wanted]
+    suffix = "-imat" if choice is not None else ""
+    plans = [plan_output(resolved, info, lv.key + suffix, output=output, name=None, force=force, store=store)
+             for lv in wanted]
     if len({p.path for p in plans}) != len(plans):
         raise UsageError("two levels would write the same file; give -o a folder")
     need: dict[Path, int] = {}
@@ -224,7 +240,7 @@ def _quantize_all(
         cancel.check()
     return _run_levels(resolved, info, list(zip(wanted, plans)), workers, events, nthread=nthread,
                        allow_requantize=allow_requantize, warnings=warnings, store=store, on_progress=on_progress,
-                       cancel=cancel)
+                       cancel=cancel, imatrix=choice)
 
 
 def _fits_side_by_side(info: GGUFInfo, n: int) -> bool:
@@ -255,12 +271,13 @@ def is_quantized(info: GGUFInfo) -> bool:
     return any(t not in ("F32", "F16", "BF16", "I8", "I16", "I32", "I64", "F64") for t in info.tensor_types)
 
 
-def _check_levels(wanted: list[Level], info: GGUFInfo, label: str, *, allow_requantize: bool) -> list[str]:
+def _check_levels(wanted: list[Level], info: GGUFInfo, label: str, *, allow_requantize: bool,
+                  has_imatrix: bool = False) -> list[str]:
     for lv in wanted:
-        if lv.needs_imatrix:
+        if lv.needs_imatrix and not has_imatrix:
             raise QuantizeError(
-                f"{lv.key} needs an importance matrix (llama.cpp refuses it without one) and edgellm does not compute them; "
-                "use iq4_xs, q2_k, q3_k_s or higher"
+                f"{lv.key} needs an importance matrix (llama.cpp refuses it without one): add --imatrix auto "
+                f"(or a matrix from `edgellm imatrix {label}`)"
             )
         if not lv.readable:
             raise QuantizeError(f"{lv.key} output cannot be validated: the installed gguf-py does not know the {lv.base_type} tensor type")
@@ -309,6 +326,7 @@ def _run_levels(
     store: Store,
     on_progress: ProgressCallback,
     cancel: Optional[CancelToken],
+    imatrix: Any = None,
 ) -> list[QuantizeResult]:
     """Feed the levels to the workers; finish each one on a side thread as it completes."""
     per_level = info.tensor_count
@@ -326,8 +344,11 @@ def _run_levels(
         index = pending.popleft()
         lv, plan = todo[index]
         job = Job(index, lv, plan, partial_path(plan.path), worker.threads, time.perf_counter())
-        worker.submit({"input": str(resolved.path), "output": str(job.tmp), "ftype": lv.ftype,
-                       "nthread": worker.threads, "allow_requantize": allow_requantize})
+        spec = {"input": str(resolved.path), "output": str(job.tmp), "ftype": lv.ftype,
+                "nthread": worker.threads, "allow_requantize": allow_requantize}
+        if imatrix is not None:
+            spec.update(imatrix=str(imatrix.path), imatrix_label=str(imatrix.path))
+        worker.submit(spec)
         active[worker] = job
 
     def report(message: str) -> None:
@@ -370,7 +391,7 @@ def _run_levels(
                 del active[worker]
                 finishing[job.index] = finisher.submit(
                     _finish, job, resolved=resolved, info=info, nthread=nthread, warnings=warnings, store=store,
-                    cancel=cancel)
+                    cancel=cancel, imatrix=imatrix)
                 if pending:
                     start(worker)
                 report(f"{job.level.key}: written")
@@ -406,6 +427,7 @@ def _finish(
     warnings: list[str],
     store: Store,
     cancel: Optional[CancelToken],
+    imatrix: Any = None,
 ) -> QuantizeResult:
     """Validate, hash and sync one finished temp file, rename it into place and register it."""
     lv, plan, tmp = job.level, job.plan, job.tmp
@@ -441,6 +463,8 @@ def _finish(
     if is_quantized(info):
         extra["requantized"] = True
     extra.update(inherited_lineage(resolved))
+    if imatrix is not None:
+        extra["imatrix"] = imatrix.lineage()
     try:
         rec = register_output(store, plan, out, sha, resolved=resolved, source="quantize", extra=extra)
     except BaseException:
@@ -452,6 +476,7 @@ def _finish(
         seconds=time.perf_counter() - job.t0, quantize_seconds=run.seconds, fallbacks=dict(fallback_types),
         fallback_reason=_fallback_reason(run, n_fallback, out.tensor_count, lv), input_level=info.level,
         parent=rec.parent, sha256=sha, threads=job.threads, warnings=list(warnings), record=rec,
+        imatrix=extra.get("imatrix"),
     )
 
 
@@ -478,6 +503,10 @@ def describe(result: QuantizeResult) -> str:
         f"  {result.path}",
         f"  tensors: {types}",
     ]
+    if result.imatrix:
+        im = result.imatrix
+        lines.append(f"  imatrix: {im.get('name') or im['file']} ({im.get('text') or ', '.join(im['datasets'])}, "
+                     f"{im['chunks']} chunks x {im['chunk_size']})")
     if result.fallback_tensors:
         lines.append(f"  fallback: {result.fallback_reason}")
     return "\n".join(lines)

@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "chat": ("chat", "chat_cmd", "Chat with a model (interactive, or one-shot with -p)."),
     "quantize": ("quant", "quantize_cmd", "Quantize a GGUF to one or more levels."),
     "convert": ("quant", "convert_cmd", "Dequantize a GGUF to f16/bf16/f32."),
+    "imatrix": ("quant", "imatrix_cmd", "Importance matrix of a model (llama-imatrix's algorithm), for better quants."),
     "ppl": ("eval", "ppl_cmd", "Perplexity of a model on a text (llama-perplexity's algorithm)."),
     "eval": ("eval", "eval_cmd", "Quality loss of quant levels vs their base: PPL, KLD, top-token."),
     "recommend": ("eval", "recommend_cmd", "The best measured level that fits this machine."),

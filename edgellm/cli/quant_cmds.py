@@ -19,10 +19,14 @@ from edgellm.cli.output import emit_json, running_job
 @click.option("--jobs", type=int, default=None,
               help="Levels quantized side by side, sharing --threads (default: 2 when RAM allows; 1: one after another).")
 @click.option("--allow-requantize", is_flag=True, help="Allow an already-quantized input (the errors compound).")
+@click.option("--imatrix", default=None, metavar="NAME|FILE|auto",
+              help="Importance matrix: a stored one (`edgellm imatrix`), an imatrix GGUF file, or auto (this model's "
+                   "newest, else computed now on the shipped calibration text). Needed by iq1_*, iq2_*, iq3_xxs, "
+                   "iq3_xs, q2_k_s.")
 @click.option("--force", is_flag=True, help="Replace an existing output of the same name.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output: a list, one object per level.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, force, as_json, no_progress) -> None:
+def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, imatrix, force, as_json, no_progress) -> None:
     """Quantize MODEL (an F32/F16/BF16 GGUF: store name or path) with llama.cpp.
 
     Each level is written to a temporary file beside its target and renamed
@@ -33,13 +37,14 @@ def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, force, 
       edgellm convert smollm2-135m-instruct --to f16
       edgellm quantize smollm2-135m-instruct-f16 --level q4_k_m
       edgellm quantize smollm2-135m-instruct-f16 -l q4_0 -l q8_0 --json
+      edgellm quantize smollm2-135m-instruct-f16 -l q4_k_m -l iq2_xs --imatrix auto
     """
     from quant.quantize import describe, quantize
 
     wanted = [part.strip() for text in levels for part in text.split(",") if part.strip()]
     with running_job(not no_progress and not as_json) as (bar, token):
         results = quantize(model, wanted, output=output, threads=threads, jobs=jobs, allow_requantize=allow_requantize,
-                           force=force, on_progress=bar, cancel=token)
+                           force=force, imatrix=imatrix, on_progress=bar, cancel=token)
     if as_json:
         emit_json([r.to_json() for r in results])
         return
@@ -80,3 +85,51 @@ def convert_cmd(model, to, output, name, force, as_json, no_progress) -> None:
     click.echo(f"  tensors: {types}")
     for w in r.warnings:
         click.echo(f"note: {w}", err=True)
+
+
+@click.command("imatrix")
+@click.argument("model", required=False)
+@click.option("--text", "text", type=click.Path(path_type=Path), default=None,
+              help="Calibration text (default: the text shipped with edgellm: prose, code and dialogue).")
+@click.option("--ctx", type=int, default=512, show_default=True, help="Tokens per chunk (llama-imatrix's -c).")
+@click.option("--chunks", type=int, default=None, help="Chunks to evaluate (default: all the text holds).")
+@click.option("--name", default=None, help="Store name (default: <model>-imatrix).")
+@click.option("--threads", type=int, default=None, help="Threads for llama.cpp (default: physical cores).")
+@click.option("--force", is_flag=True, help="Replace a stored matrix of the same name.")
+@click.option("--list", "list_", is_flag=True, help="List the stored importance matrices.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def imatrix_cmd(model, text, ctx, chunks, name, threads, force, list_, as_json, no_progress) -> None:
+    """Compute MODEL's importance matrix, as llama-imatrix does, and store it.
+
+    The matrix (mean squared activation entering each weight matrix) lets
+    `quantize --imatrix` spend precision where the model uses it, and makes
+    the IQ1/IQ2/IQ3_XXS/IQ3_XS/Q2_K_S levels possible. Written in
+    llama-imatrix's GGUF format, so llama-quantize reads it too.
+
+    \b
+    Examples:
+      edgellm imatrix smollm2-135m-instruct-f16
+      edgellm imatrix smollm2-135m-instruct-f16 --text notes.txt --chunks 32 --json
+      edgellm quantize smollm2-135m-instruct-f16 -l iq2_xs --imatrix auto
+    """
+    from edgellm.errors import UsageError
+    from quant.imatrix import compute_imatrix, describe, list_imatrices
+
+    if list_:
+        recs = list_imatrices()
+        if as_json:
+            emit_json([r.to_json() for r in recs])
+        else:
+            for r in recs:
+                click.echo(describe(r))
+        return
+    if not model:
+        raise UsageError("give a MODEL (store name or GGUF path), or --list")
+    with running_job(not no_progress and not as_json) as (bar, token):
+        rec = compute_imatrix(model, text=text, ctx=ctx, chunks=chunks, name=name, force=force, threads=threads,
+                              on_progress=bar, cancel=token)
+    if as_json:
+        emit_json(rec.to_json())
+    else:
+        click.echo(describe(rec))
