@@ -240,6 +240,19 @@ def rm_cmd(names, as_json: bool) -> None:
             click.echo(f"removed {r.name}{kept}")
 
 
+def _quant_lineage(info, record) -> dict:
+    """The importance matrix a quant was made with (llama.cpp's quantize.imatrix.* keys, as
+    llama-quantize writes them) and edgellm's recorded lineage of it and of a --budget recipe."""
+    meta = {k.removeprefix("quantize.imatrix."): v for k, v in info.metadata.items() if k.startswith("quantize.imatrix.")}
+    extra = record.extra if record is not None else {}
+    out: dict = {"imatrix": meta or None}
+    if extra.get("imatrix"):
+        out["imatrix_lineage"] = extra["imatrix"]
+    if extra.get("recipe"):
+        out["recipe"] = extra["recipe"]
+    return out
+
+
 @click.command("inspect")
 @click.argument("ref")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -255,6 +268,7 @@ def inspect_cmd(ref: str, as_json: bool) -> None:
     if as_json:
         d = info.to_json()
         d["model"] = r.record.name if r.record else None
+        d.update(_quant_lineage(info, r.record))
         emit_json(d)
         return
     click.echo(f"{r.label}")
@@ -266,3 +280,10 @@ def inspect_cmd(ref: str, as_json: bool) -> None:
     click.echo(f"  file type       {info.level.upper()}  ({info.bpw:.2f} bits per weight)")
     click.echo(f"  tensors         {info.tensor_count}: " + ", ".join(f"{k} {v}" for k, v in info.tensor_types.items()))
     click.echo(f"  chat template   {'yes' if info.has_chat_template else 'no'}")
+    lineage = _quant_lineage(info, r.record)
+    if lineage.get("imatrix"):
+        im = lineage["imatrix"]
+        click.echo(f"  imatrix         {im.get('file', '?')} (dataset {im.get('dataset', '?')}, "
+                   f"{im.get('entries_count', '?')} entries, {im.get('chunks_count', '?')} chunks)")
+    if lineage.get("recipe"):
+        click.echo(f"  recipe          {lineage['recipe'].get('file') or lineage['recipe'].get('name', '?')}")

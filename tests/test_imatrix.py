@@ -1,0 +1,261 @@
+"""edgellm imatrix and quantize --imatrix on the real default model's F16, against llama.cpp's own tools.
+
+The agreement and byte-identity tests use a few chunks to stay short; the
+full-size figures come from scripts/bench_imatrix.py (docs/quantize.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support.helpers import assert_one_line_error, start_cli, store_snapshot
+from support.quant_fixtures import F16_NAME, f16_model, f16_session  # noqa: F401 (fixtures)
+
+CHUNKS = 2
+_cache: dict[str, object] = {}
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def f16_path(f16_session) -> Path:
+    return Path(f16_session[0].path)
+
+
+@pytest.fixture(scope="session")
+def session_imatrix(f16_path, tmp_path_factory) -> Path:
+    """edgellm's matrix of the F16 on the shipped text, CHUNKS x 512, computed once."""
+    if "mine" not in _cache:
+        from quant.imatrix import compute_imatrix
+
+        home = tmp_path_factory.mktemp("imatrix-home")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("EDGELLM_HOME", str(home))
+            rec = compute_imatrix(f16_path, chunks=CHUNKS, threads=2)
+        _cache["mine"] = rec.path
+    return _cache["mine"]  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="session")
+def reference_imatrix(f16_path, llama_tools, tmp_path_factory) -> Path:
+    """llama-imatrix of the same tree, same file, text, ctx and chunks."""
+    from quant.imatrix import calibration_path
+
+    out = tmp_path_factory.mktemp("llama-imatrix") / "ref.gguf"
+    proc = subprocess.run(
+        [str(llama_tools / "llama-imatrix"), "-m", str(f16_path), "-f", str(calibration_path()), "-c", "512",
+         "--chunks", str(CHUNKS), "-t", "2", "--no-ppl", "-o", str(out)],
+        capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+# -- the matrix --------------------------------------------------------------
+
+
+def test_imatrix_cli_stores_with_lineage(cli, f16_model, edgellm_home):
+    from quant.imatrix_file import read_imatrix
+
+    before = store_snapshot(edgellm_home)
+    res = cli("imatrix", F16_NAME, "--chunks", "1", "--threads", "2", "--json")
+    assert res.exit_code == 0, res
+    rec = res.json()
+    assert rec["name"] == f"{F16_NAME}-imatrix" and rec["model"] == F16_NAME
+    assert rec["model_sha256"] == f16_model.sha256
+    assert rec["text"] == "edgellm-calibration.txt" and len(rec["text_sha256"]) == 64
+    assert rec["chunks"] == 1 and rec["ctx"] == 512 and rec["tokens"] == 512 and rec["text_tokens"] > 5000
+    # SmolLM2-135M: 30 layers x (q, k, v, o, gate, up, down); embeddings and the tied output are not in it
+    assert rec["entries"] == 210
+    m = read_imatrix(rec["file"])
+    assert len(m.entries) == 210 and m.chunk_count == 1 and m.chunk_size == 512
+    assert m.datasets == ["edgellm-calibration.txt"]
+    for name, e in m.entries.items():
+        assert e.counts.tolist() == [512], name
+        assert (e.sums > 0).all() and np.isfinite(e.sums).all()
+    assert m.entries["blk.0.ffn_down.weight"].sums.shape == (1, 1536)
+    assert m.entries["blk.0.attn_q.weight"].sums.shape == (1, 576)
+    # the lineage file beside it, and --list
+    side = json.loads(Path(rec["file"]).with_suffix(".json").read_text())
+    assert side["text_sha256"] == rec["text_sha256"]
+    listed = cli("imatrix", "--list", "--json").json()
+    assert [r["name"] for r in listed] == [rec["name"]]
+    # the model store is untouched: a matrix is not a model
+    assert store_snapshot(edgellm_home)[0] == before[0]
+    again = cli("imatrix", F16_NAME, "--chunks", "1")
+    assert_one_line_error(again)
+    assert "already exists" in again.stderr
+
+
+def test_matches_llama_imatrix(session_imatrix, reference_imatrix):
+    """Same sums and counts as llama-imatrix built from the same tree (per tensor, relative <= 1e-4)."""
+    from quant.imatrix_file import read_imatrix
+
+    mine, ref = read_imatrix(session_imatrix), read_imatrix(reference_imatrix)
+    assert sorted(mine.entries) == sorted(ref.entries) and len(ref.entries) == 210
+    assert (mine.chunk_count, mine.chunk_size) == (ref.chunk_count, ref.chunk_size) == (CHUNKS, 512)
+    worst = 0.0
+    for name, r in ref.entries.items():
+        m = mine.entries[name]
+        assert m.counts.tolist() == r.counts.tolist() == [CHUNKS * 512], name
+        rel = float(np.abs(m.sums - r.sums).max() / np.abs(r.sums).max())
+        worst = max(worst, rel)
+    print(f"largest per-tensor relative difference vs llama-imatrix: {worst:.2e}")
+    assert worst <= 1e-4
+
+
+def test_quant_with_imatrix_is_byte_identical_to_llama_quantize(cli, f16_model, f16_path, reference_imatrix,
+                                                                llama_tools, tmp_path, edgellm_home):
+    """The same file through `quantize --imatrix` and `llama-quantize --imatrix`: the same bytes.
+    q2_k_s is one of the levels only an importance matrix makes possible."""
+    res = cli("quantize", F16_NAME, "-l", "q4_k_m", "-l", "q2_k_s", "--imatrix", str(reference_imatrix),
+              "--threads", "2", "--json")
+    assert res.exit_code == 0, res
+    out = {o["level"]: o for o in res.json()}
+    for level in ("q4_k_m", "q2_k_s"):
+        o = out[level]
+        assert o["name"] == f"smollm2-135m-instruct-{level}-imat"
+        assert o["imatrix"]["file"] == str(reference_imatrix) and o["imatrix"]["sha256"] == _sha(reference_imatrix)
+        ref = tmp_path / f"ref-{level}.gguf"
+        proc = subprocess.run([str(llama_tools / "llama-quantize"), "--imatrix", str(reference_imatrix), str(f16_path),
+                               str(ref), level.upper(), "2"], capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-1500:]
+        assert o["sha256"] == _sha(ref), level
+    # lineage in the store and in inspect
+    from edgellm.models.store import Store
+
+    rec = Store().get("smollm2-135m-instruct-q4_k_m-imat")
+    assert rec.extra["imatrix"]["sha256"] == _sha(reference_imatrix)
+    shown = cli("inspect", "smollm2-135m-instruct-q4_k_m-imat", "--json")
+    assert shown.exit_code == 0, shown
+    assert "quantize.imatrix.file" in shown.stdout and str(reference_imatrix) in shown.stdout
+
+
+def test_imatrix_changes_the_quant(cli, f16_model, session_imatrix):
+    """Sanity: with a matrix, a level's weights differ from the stock quant (the matrix is really used)."""
+    res = cli("quantize", F16_NAME, "-l", "q4_0", "--threads", "2", "--json")
+    res2 = cli("quantize", F16_NAME, "-l", "q4_0", "--imatrix", str(session_imatrix), "--threads", "2", "--json")
+    assert res.exit_code == 0 and res2.exit_code == 0, (res, res2)
+    a, b = res.json()[0], res2.json()[0]
+    assert a["size_bytes"] == b["size_bytes"] and a["sha256"] != b["sha256"]
+
+
+# -- refusals ------------------------------------------------------------------
+
+
+def _refused(cli, home: Path, *args: str) -> str:
+    before = store_snapshot(home)
+    res = cli(*args)
+    assert_one_line_error(res)
+    assert store_snapshot(home) == before
+    assert not list(home.rglob("*.partial"))
+    return res.stderr
+
+
+def test_level_needing_imatrix_says_how(cli, f16_model, edgellm_home):
+    err = _refused(cli, edgellm_home, "quantize", F16_NAME, "-l", "iq2_xs")
+    assert "--imatrix auto" in err
+
+
+def test_imatrix_of_another_model_is_refused(cli, f16_model, session_imatrix, edgellm_home, tmp_path):
+    from support.gguf_files import write_tiny_llama
+
+    from quant.imatrix import compute_imatrix
+    from quant.imatrix_file import IMatrix, encode, read_imatrix
+
+    tiny = write_tiny_llama(tmp_path / "tiny.gguf")
+    other = compute_imatrix(tiny, ctx=64, chunks=2, name="tiny-imatrix", threads=2).path
+    err = _refused(cli, edgellm_home, "quantize", F16_NAME, "-l", "q4_k_m", "--imatrix", str(other))
+    assert "was not made for" in err and "256" in err and "576" in err
+    # same widths, other names (e.g. another architecture's tensor names)
+    m = read_imatrix(session_imatrix)
+    renamed = IMatrix({k.replace("attn_q", "attn_qkv"): v for k, v in m.entries.items()}, m.datasets, m.chunk_count,
+                      m.chunk_size)
+    p = tmp_path / "renamed.gguf"
+    p.write_bytes(encode(renamed))
+    err = _refused(cli, edgellm_home, "quantize", F16_NAME, "-l", "q4_k_m", "--imatrix", str(p))
+    assert "was not made for" in err and "attn_qkv" in err
+
+
+def test_truncated_or_corrupted_imatrix_is_refused(cli, f16_model, session_imatrix, edgellm_home, tmp_path):
+    data = Path(session_imatrix).read_bytes()
+    cases = {
+        "truncated.gguf": data[: len(data) // 2],
+        "header.gguf": data[:4] + b"\xff" * 64 + data[68:],
+        "empty.gguf": b"",
+        "notgguf.gguf": b"hello world, not a matrix" * 10,
+    }
+    nan = bytearray(data)
+    nan[-4096:-4092] = np.array([np.nan], np.float32).tobytes()
+    cases["nan.gguf"] = bytes(nan)
+    for fname, blob in cases.items():
+        p = tmp_path / fname
+        p.write_bytes(blob)
+        err = _refused(cli, edgellm_home, "quantize", F16_NAME, "-l", "q4_k_m", "--imatrix", str(p))
+        assert "importance matrix" in err or "imatrix" in err, (fname, err)
+    # a model file is not a matrix either
+    err = _refused(cli, edgellm_home, "quantize", F16_NAME, "-l", "q4_k_m", "--imatrix", str(f16_model.path))
+    assert "not 'imatrix'" in err
+    err = _refused(cli, edgellm_home, "quantize", F16_NAME, "-l", "q4_k_m", "--imatrix", "no-such-matrix")
+    assert "no importance matrix named" in err
+
+
+def test_imatrix_bad_text_and_options(cli, f16_model, edgellm_home, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("too short to make two chunks of context\n")
+    assert "needs at least" in _refused(cli, edgellm_home, "imatrix", F16_NAME, "--text", str(short))
+    assert "--ctx" in _refused(cli, edgellm_home, "imatrix", F16_NAME, "--ctx", "4")
+    assert not (edgellm_home / "imatrix").exists() or not list((edgellm_home / "imatrix").iterdir())
+
+
+def test_kill_9_during_imatrix_leaves_nothing_and_rerun_works(cli, f16_model, edgellm_home):
+    proc = start_cli("imatrix", F16_NAME, "--chunks", "8", "--threads", "2")
+    folder = edgellm_home / "imatrix"
+    # kill once the first chunk is running (the bar shows "first chunk" before the decode starts)
+    deadline = time.monotonic() + 120
+    seen = ""
+    while time.monotonic() < deadline and "chunk" not in seen:
+        line = proc.stderr.readline()  # type: ignore[union-attr]
+        if not line and proc.poll() is not None:
+            break
+        seen += line
+    assert "chunk" in seen, seen
+    time.sleep(1.0)
+    assert proc.poll() is None, "the job ended before the kill"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    leftovers = sorted(p.name for p in folder.rglob("*")) if folder.exists() else []
+    assert leftovers == []
+    assert cli("imatrix", "--list", "--json").json() == []
+    res = cli("imatrix", F16_NAME, "--chunks", "1", "--threads", "2", "--json")
+    assert res.exit_code == 0, res
+    assert sorted(p.name for p in folder.iterdir()) == [f"{F16_NAME}-imatrix.gguf", f"{F16_NAME}-imatrix.json"]
+
+
+# -- the calibration text ---------------------------------------------------------
+
+
+def test_calibration_text_is_stated_and_disjoint_from_wikitext(wikitext):
+    from quant.imatrix import calibration_path, calibration_text
+
+    readme = (calibration_path().parent / "README.md").read_text()
+    assert "CC0-1.0" in readme and "written for edgellm" in readme
+    t = calibration_text()
+    assert len(t.data) > 15000
+    wiki = wikitext.read_text(encoding="utf-8")
+    lines = [ln.strip() for ln in t.data.decode().splitlines() if len(ln.strip()) >= 40]
+    assert len(lines) > 100
+    shared = [ln for ln in lines if ln in wiki]
+    assert shared == []
+    # prose, code and dialogue are all there
+    text = t.data.decode()
+    assert "def " in text and "SELECT" in text and '"You\'re the one' in text
