@@ -59,11 +59,11 @@ wait_for "Local store" 60
 wait_for "smollm2-135m-instruct-q4_1" 10
 echo "ok: Models screen (catalog + store)"
 
-tmux send-keys -t "$SESSION" 2;  wait_for "Allow requantize"; echo "ok: Quantize screen"
-tmux send-keys -t "$SESSION" 3;  wait_for "Recommendation";  echo "ok: Evaluate screen"
-tmux send-keys -t "$SESSION" 5;  wait_for "no benchmark running"; echo "ok: Bench screen"
-tmux send-keys -t "$SESSION" 6;  wait_for "System check"; wait_for "verdict" 120; echo "ok: System screen (doctor ran)"
-tmux send-keys -t "$SESSION" 4;  wait_for "Message (Enter to send)"; echo "ok: Chat screen"
+tmux send-keys -t "$SESSION" F2;  wait_for "Allow requantize"; echo "ok: Quantize screen"
+tmux send-keys -t "$SESSION" F3;  wait_for "Recommendation";  echo "ok: Evaluate screen"
+tmux send-keys -t "$SESSION" F5;  wait_for "no benchmark running"; echo "ok: Bench screen"
+tmux send-keys -t "$SESSION" F6;  wait_for "System check"; wait_for "verdict" 120; echo "ok: System screen (doctor ran)"
+tmux send-keys -t "$SESSION" F4;  wait_for "Enter sends"; echo "ok: Chat screen"
 
 tmux send-keys -t "$SESSION" -l "What is the capital of France?"
 tmux send-keys -t "$SESSION" Enter
@@ -73,7 +73,7 @@ wait_for "tokens at" 180
 echo "ok: chat reply streamed: $(screen | grep -F 'tokens at' | head -n1 | sed 's/^ *//')"
 
 # The reply text itself: a line after the prompt that is not the status or footer.
-reply="$(screen | sed -n '/> What is the capital of France?/,/tokens at/p' | sed '1d;$d' | grep -v '^[[:space:]▁▂▃▄▅▆▇█│┃]*$' | grep -vF 'Message (Enter to send)' | head -n 3 || true)"
+reply="$(screen | sed -n '/> What is the capital of France?/,/tokens at/p' | sed '1d;$d' | grep -v '^[[:space:]▁▂▃▄▅▆▇█│┃]*$' | grep -vF 'Enter sends' | head -n 3 || true)"
 [[ -n "$reply" ]] || fail "no reply text on screen"
 echo "ok: reply on screen: $(echo "$reply" | head -n1 | sed 's/^ *//')"
 

@@ -2,8 +2,9 @@
 
 Behaviour tests go through the keys a user presses (F1-F6, the import
 dialog, the quantize form, the chat input) and assert on the store, the
-widgets and the notifications. Snapshot tests pin each screen at 100x30 with
-an empty store and a fixed RAM figure, so they hold on any machine.
+widgets, the text on screen and the notifications. Snapshot tests pin each
+screen at 100x30 with an empty store and a fixed available-RAM figure, so
+they hold on any machine.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ pytest_textual_snapshot.SVGImageExtension.dirname = classmethod(lambda cls, *, t
 
 @pytest.fixture(autouse=True)
 def pinned_ram(monkeypatch):
-    # The fits-in-RAM marks depend on this figure, not on the machine.
-    monkeypatch.setenv("EDGELLM_TUI_RAM_BYTES", str(4 << 30))
+    # The fit marks compare with the core's available-RAM figure: pinned, not the machine's.
+    monkeypatch.setenv("EDGELLM_FAKE_AVAILABLE_RAM", str(4 << 30))
 
 
 def make(**kw):
@@ -57,6 +58,27 @@ def errors(app) -> list[str]:
     return [m for sev, m in app.notices if sev == "error"]
 
 
+def screen_text(app, widget=None) -> str:
+    """What the terminal shows (of `widget`'s region, when given), as plain text lines."""
+    strips = app.screen._compositor.render_strips()
+    if widget is None:
+        return "\n".join(s.text.rstrip() for s in strips)
+    r = widget.region
+    return "\n".join(s.crop(r.x, r.right).text.rstrip() for s in strips[r.y:r.bottom])
+
+
+def squeeze(text: str) -> str:
+    """Text with all whitespace gone: a line wrapped on screen still matches."""
+    return "".join(text.split())
+
+
+async def settled(pilot) -> None:
+    """Until the workers the screen started (store scans, saved results) have shown their results."""
+    await pilot.pause()
+    await pilot.app.workers.wait_for_complete()
+    await pilot.pause(0.1)
+
+
 # -- behaviour ------------------------------------------------------------------
 
 
@@ -67,10 +89,11 @@ def test_every_screen_opens_by_key(default_model):
         app = make()
         async with app.run_test(size=SIZE) as pilot:
             seen = []
-            for key in ("f1", "f2", "f3", "f4", "f5", "f6", "1"):
+            for key in ("f1", "f2", "f3", "f4", "f5", "f6", "f1"):
                 await pilot.press(key)
                 await pilot.pause()
                 seen.append(type(app.screen).__name__)
+            await settled(pilot)
             names = [k.value for k in app.screen.query_one("#store", DataTable).rows]
             assert DEFAULT_NAME in names
             # ctrl+q quits from anywhere, even with the chat input focused
@@ -81,6 +104,58 @@ def test_every_screen_opens_by_key(default_model):
 
     seen = asyncio.run(run())
     assert seen == ["ModelsScreen", "QuantizeScreen", "EvaluateScreen", "ChatScreen", "BenchScreen", "SystemScreen", "ModelsScreen"]
+
+
+def test_f5_from_the_chat_box_switches_to_bench_and_types_nothing(default_model):
+    from textual.widgets import Input
+
+    async def run():
+        app = make(initial="chat")
+        async with app.run_test(size=SIZE) as pilot:
+            chat = app.screen
+            box = chat.query_one("#chat-input", Input)
+            assert app.focused is box
+            await type_text(pilot, "hi 5")  # a digit types into the box, as text should
+            nav_before = screen_text(app).splitlines()[0]
+            await pilot.press("f5")
+            await pilot.pause()
+            shown = type(app.screen).__name__
+            bench_nav = screen_text(app).splitlines()[0]
+            await pilot.press("f4")
+            await pilot.pause()
+            return shown, box.value, app.focused is box, nav_before, bench_nav
+
+    shown, value, refocused, nav_before, bench_nav = asyncio.run(run())
+    assert shown == "BenchScreen"
+    assert value == "hi 5"  # F5 switched screens and reached the box neither as text nor as a key
+    assert refocused
+    # the keys are on screen, on every screen
+    for nav in (nav_before, bench_nav):
+        assert all(f"F{i} {label}" in nav for i, label in enumerate(["Models", "Quantize", "Evaluate", "Chat", "Bench", "System"], 1)), nav
+        assert "^q Quit" in nav
+
+
+def test_every_input_is_labelled(default_model):
+    from textual.widgets import Input, Label
+
+    async def run():
+        app = make()
+        unlabelled, seen = [], 0
+        async with app.run_test(size=SIZE) as pilot:
+            for key in ("f1", "f2", "f3", "f4", "f5", "f6"):
+                await pilot.press(key)
+                await settled(pilot)
+                for inp in app.screen.query(Input):
+                    seen += 1
+                    siblings = list(inp.parent.children)
+                    before = siblings[siblings.index(inp) - 1] if siblings.index(inp) else None
+                    if not (isinstance(before, Label) and str(before.render()).strip()) and not inp.border_title:
+                        unlabelled.append(f"{key}: #{inp.id}")
+        return unlabelled, seen
+
+    unlabelled, seen = asyncio.run(run())
+    assert seen >= 17  # Evaluate 3, Bench 3, Chat 1 + 11 settings
+    assert unlabelled == []
 
 
 def test_import_through_the_dialog(default_gguf, edgellm_home):
@@ -98,7 +173,7 @@ def test_import_through_the_dialog(default_gguf, edgellm_home):
             await pilot.press("enter")
             models = app.screen
             await wait_for(pilot, lambda: Store().find("imported-135m") is not None and not models.query_one("JobBar").running, 60, "the import")
-            await pilot.pause(0.2)
+            await settled(pilot)
             rows = [str(k.value) for k in models.query_one("#store", DataTable).rows]
             bar = models.query_one("JobBar").bar
             return rows, bar.percentage, list(app.notices)
@@ -126,26 +201,29 @@ def test_broken_file_shows_an_error_notification(tmp_path, edgellm_home):
             models = app.screen
             await wait_for(pilot, lambda: errors(app), 30, "an error notification")
             await wait_for(pilot, lambda: not models.query_one("JobBar").running, 10, "the job to end")
-            return errors(app), app.notices
+            return errors(app), app.notices, models.query_one("JobBar").reason
 
-    errs, notices = asyncio.run(run())
+    errs, notices, reason = asyncio.run(run())
     assert len(errs) == 1, notices
     assert "GGUF" in errs[0] or "gguf" in errs[0], errs
+    assert errs[0].endswith(reason) and reason, (errs, reason)  # and kept under the job bar
     assert "Traceback" not in errs[0] and "internal error" not in errs[0]
     assert Store().list() == []
 
 
 def test_quantize_to_q8_0_reaches_100_percent_and_a_queued_job_cancels(default_model, monkeypatch):
-    from textual.widgets import Checkbox, DataTable, SelectionList
+    from textual.widgets import DataTable
 
+    import tui.screens.quantize_screen as qs
+    from tui.widgets.checklist import CheckBox, CheckList
     from tui.widgets.jobbar import JobBar
 
     # The bar is shared by the queue: read it as each job finishes, not at the end.
     finished: list[tuple[str, float]] = []
     original_finish = JobBar.finish
 
-    def recording_finish(self, text, *, complete=True):
-        original_finish(self, text, complete=complete)
+    def recording_finish(self, text, *, complete=True, reason=""):
+        original_finish(self, text, complete=complete, reason=reason)
         finished.append((text, self.bar.percentage))
 
     monkeypatch.setattr(JobBar, "finish", recording_finish)
@@ -153,15 +231,13 @@ def test_quantize_to_q8_0_reaches_100_percent_and_a_queued_job_cancels(default_m
     # quantize takes well under a second, faster than the pilot's key presses.
     import threading
 
-    import quant.quantize as qq
-
-    gate, real_quantize = threading.Event(), qq.quantize
+    gate, real_quantize = threading.Event(), qs.quantize
 
     def gated(*a, **kw):
         gate.wait(60)
         return real_quantize(*a, **kw)
 
-    monkeypatch.setattr(qq, "quantize", gated)
+    monkeypatch.setattr(qs, "quantize", gated)
 
     async def run():
         app = make(initial="quantize")
@@ -169,8 +245,8 @@ def test_quantize_to_q8_0_reaches_100_percent_and_a_queued_job_cancels(default_m
             scr = app.screen
             assert type(scr).__name__ == "QuantizeScreen"
             assert scr.query_one("#quant-base").value == DEFAULT_NAME
-            levels = scr.query_one("#quant-levels", SelectionList)
-            scr.query_one("#quant-requant", Checkbox).value = True  # the default is Q4_1: requantizing
+            levels = scr.query_one("#quant-levels", CheckList)
+            scr.query_one("#quant-requant", CheckBox).value = True  # the default is Q4_1: requantizing
             levels.deselect_all()
             levels.select("q8_0")
             await pilot.press("a")
@@ -199,8 +275,8 @@ def test_quantize_to_q8_0_reaches_100_percent_and_a_queued_job_cancels(default_m
     assert not [m for s, m in notices if s == "error"], notices
     assert jobs[0].status == "done" and jobs[0].pct == 100.0
     assert (f"#{jobs[0].id} done", 1.0) in finished, finished
-    assert status_cells[0] == ["done", "100%"]
-    assert jobs[1].status == "cancelled" and status_cells[1][0] == "cancelled"
+    assert status_cells[0] == ["done", "100%", ""]
+    assert jobs[1].status == "cancelled" and status_cells[1] == ["cancelled", "0%", "cancelled by the user"]
     assert len(cells) == 1 and cells[0][1] == "Q8_0"
     out = Store().get("smollm2-135m-instruct-q8_0")
     assert out.level == "q8_0" and out.parent == DEFAULT_NAME and out.path.is_file()
@@ -208,6 +284,54 @@ def test_quantize_to_q8_0_reaches_100_percent_and_a_queued_job_cancels(default_m
 
     assert read_gguf(out.path).level == "q8_0"
     assert Store().find("smollm2-135m-instruct-q4_0") is None
+
+
+def test_a_failed_quantize_job_keeps_its_reason_on_screen(default_model, default_gguf, monkeypatch):
+    """The outputs already exist: the job fails, and 10 s later (past the toast's timeout) its reason is still shown."""
+    import textual.notifications
+    from textual.widgets import DataTable
+
+    from edgellm.errors import ModelExists
+    from edgellm.gguf.reader import read_gguf
+    from edgellm.models.resolve import record_from_info
+    from quant.quantize import quantize
+    from tui.widgets.checklist import CheckBox, CheckList
+
+    taken = "smollm2-135m-instruct-q8_0"
+    Store().register(record_from_info(taken, read_gguf(default_gguf), [str(default_gguf)], default_model.sha256, source="test"))
+    with pytest.raises(ModelExists) as exc:  # what the core says, for the screen to show
+        quantize(DEFAULT_NAME, ["q8_0"], allow_requantize=True)
+    reason = str(exc.value)
+
+    async def run():
+        app = make(initial="quantize")
+        async with app.run_test(size=SIZE, notifications=True) as pilot:  # real toasts, off by default in tests
+            scr = app.screen
+            scr.query_one("#quant-requant", CheckBox).value = True
+            levels = scr.query_one("#quant-levels", CheckList)
+            levels.deselect_all()
+            levels.select("q8_0")
+            await pilot.press("a")
+            job = next(iter(scr.jobs.values()))
+            await wait_for(pilot, lambda: job.status == "failed", 60, "the job to fail")
+            await pilot.pause(0.2)
+            toast_then = [str(t.render()) for t in app.screen.query("Toast")]
+            # 10 s later on the app's clocks (the toasts' expiry reads textual.notifications.time)
+            real = textual.notifications.time
+            monkeypatch.setattr(textual.notifications, "time", lambda: real() + 10.0)
+            app._refresh_notifications()  # what Textual does when a toast's timer fires
+            await pilot.pause(0.2)
+            table = scr.query_one("#quant-jobs", DataTable)
+            return (toast_then, list(app.screen.query("Toast")), table.get_row_at(0)[3:],
+                    screen_text(app, scr.query_one("JobBar")), list(app.notices))
+
+    toast_then, toasts_later, row, bar_text, notices = asyncio.run(run())
+    assert ("error", f"quantize {DEFAULT_NAME} → Q8_0: {reason}") in notices
+    assert len(toast_then) == 1 and "already exists" in toast_then[0], toast_then
+    assert toasts_later == []  # the toast is gone...
+    assert row == ["failed", "0%", reason]  # ...the reason stays in the job's row...
+    assert squeeze(reason) in squeeze(bar_text), bar_text  # ...and whole, on screen, under the job bar
+    assert "#1 failed" in bar_text
 
 
 def test_chat_streams_a_reply_and_escape_stops_one(default_model):
@@ -264,9 +388,19 @@ def test_chat_streams_a_reply_and_escape_stops_one(default_model):
 # -- snapshots ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key,name", [("f1", "models"), ("f2", "quantize"), ("f3", "evaluate"), ("f4", "chat"), ("f5", "bench"), ("f6", "system")])
-def test_snapshot(snap_compare, key, name, edgellm_home):
-    assert snap_compare(make(), press=[key, "_"], terminal_size=SIZE)
+SCREEN_KEYS = {"models": ["f1"], "quantize": ["f2"], "evaluate": ["f3"], "chat": ["f4"], "chat-settings": ["f4", "ctrl+t"],
+               "bench": ["f5"], "system": ["f6"]}
+
+
+@pytest.mark.parametrize("keys", list(SCREEN_KEYS.values()), ids=list(SCREEN_KEYS))
+def test_snapshot(snap_compare, keys, edgellm_home):
+    async def show(pilot):
+        await settled(pilot)  # the Models screen's store scan, on every start
+        for key in keys:
+            await pilot.press(key)
+            await settled(pilot)
+
+    assert snap_compare(make(), terminal_size=SIZE, run_before=show)
 
 
 def test_evaluate_screen_runs_an_evaluation_and_shows_results(tmp_path):

@@ -1,8 +1,8 @@
-"""The edgellm Textual app: six screens over the core API, switched by keys.
+"""The edgellm Textual app: six screens over the core API, switched by F1-F6.
 
 The app holds no model logic. Each screen parses what the user picked, starts
 one core call in a thread worker, and renders the progress events and the
-result. What lives here: the screen table, the global bindings, the
+result. What lives here: the global bindings (the screen table is tui.modes), the
 app-wide settings a test pins (RAM figure, autorun), the set of cancel
 tokens that must be stopped on quit, and `run_tui()`, which keeps
 llama.cpp's stderr off the terminal.
@@ -21,18 +21,9 @@ from textual.binding import Binding
 
 from edgellm.progress import CancelToken
 
+from tui.modes import QUIT_KEY, SCREENS
+
 log = logging.getLogger(__name__)
-
-# mode name -> (key, label, screen class path); the order is the order of the nav bar
-SCREENS: list[tuple[str, str, str]] = [
-    ("models", "1", "Models"),
-    ("quantize", "2", "Quantize"),
-    ("evaluate", "3", "Evaluate"),
-    ("chat", "4", "Chat"),
-    ("bench", "5", "Bench"),
-    ("system", "6", "System"),
-]
-
 
 def _mode_factories() -> dict[str, Any]:
     from tui.screens.bench_screen import BenchScreen
@@ -59,9 +50,10 @@ class EdgeApp(App):
     TITLE = "edgellm"
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = [
-        Binding("ctrl+q", "quit", "Quit", priority=True),
-        *[Binding(key, f"switch_mode('{mode}')", label, show=False) for mode, key, label in SCREENS],
-        *[Binding(f"f{key}", f"switch_mode('{mode}')", label, show=False, priority=True) for mode, key, label in SCREENS],
+        # Shown in every screen's nav bar rather than the footer, which holds the screen's own keys.
+        Binding(QUIT_KEY, "quit", "Quit", show=False, priority=True),
+        # priority: they act before a focused text field sees the key
+        *[Binding(m.key, f"switch_mode('{m.name}')", m.label, show=False, priority=True) for m in SCREENS],
     ]
 
     def __init__(
@@ -87,17 +79,14 @@ class EdgeApp(App):
 
     @property
     def ram_bytes(self) -> int:
-        """RAM used for the fits-in-RAM marks. Pinned by tests (EDGELLM_TUI_RAM_BYTES)
-        so snapshots do not depend on the machine."""
+        """RAM the fit marks compare against: the core's available-RAM figure,
+        the one `edgellm models list` and the load guard use (tests pin it with
+        EDGELLM_FAKE_AVAILABLE_RAM, or `ram_bytes=`)."""
         if self._ram_bytes:
             return self._ram_bytes
-        env = os.environ.get("EDGELLM_TUI_RAM_BYTES")
-        if env and env.isdigit():
-            return int(env)
-        from edgellm.engine.hardware import memory
+        from edgellm.engine.memory import available_ram
 
-        self._ram_bytes = memory().total_bytes
-        return self._ram_bytes
+        return available_ram()
 
     def notify(self, message: str, *, title: str = "", severity: str = "information", **kw: Any) -> None:
         # Kept as a list too, so tests (and a future log pane) can read what was shown.
@@ -117,7 +106,7 @@ class EdgeApp(App):
     def on_mount(self) -> None:
         for mode, factory in _mode_factories().items():
             self.add_mode(mode, factory)
-        self.switch_mode(self.initial if self.initial in {m for m, _, _ in SCREENS} else "models")
+        self.switch_mode(self.initial if self.initial in {m.name for m in SCREENS} else "models")
 
     async def action_switch_mode(self, mode: str) -> None:
         if mode == self.current_mode:

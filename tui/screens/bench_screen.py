@@ -5,47 +5,62 @@ sparkline of tokens/s over the run."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from rich.table import Table
-from textual import work
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Button, DataTable, Input, Label, Select, Sparkline, Static
 
 from edgellm.fsutil import human_size
+from edgellm.models.store import Store
+from edgellm.profile.bench import bench, load_bench_results
 from edgellm.progress import Progress
 
 from tui.widgets.jobbar import JobBar
-from tui.screens.base import BaseScreen, call_with_supported, core, selected_value
-from tui.screens.quantize_screen import _as_dict
+from tui.widgets.tables import fill
+from tui.screens.base import BaseScreen, selected_value
 
 log = logging.getLogger(__name__)
 
+# (id, label, default, tooltip): the numbers of a run, each with its label
+FIELDS = [
+    ("bench-pp", "pp", "512", "prompt tokens processed per repetition (pp test)"),
+    ("bench-tg", "tg", "128", "tokens generated per repetition (tg test; 0 skips it)"),
+    ("bench-reps", "Reps", "3", "repetitions of each test"),
+]
+
 
 class BenchScreen(BaseScreen):
+    """Rows are the core's JSON rows (`BenchRow.to_json()`, which is also what
+    `load_bench_results()` returns for saved runs), so fresh and saved
+    results take one path to the screen."""
+
     MODE = "bench"
     BINDINGS = [Binding("g", "run", "Run bench"), Binding("escape", "cancel", "Cancel"), Binding("r", "refresh", "Refresh")]
 
     def __init__(self) -> None:
         super().__init__()
         self.token = None
+        self.rows: list[dict] = []  # the table's rows, in its order
         self.samples: list[float] = []
 
     def compose(self) -> ComposeResult:
         yield from self.compose_nav()
         with Horizontal(id="bench-form", classes="form-row"):
-            yield Select([], prompt="model", id="bench-model", allow_blank=True)
-            yield Input("512", placeholder="pp", id="bench-pp", type="integer")
-            yield Input("128", placeholder="tg", id="bench-tg", type="integer")
-            yield Input("3", placeholder="reps", id="bench-reps", type="integer")
+            yield Label("Model")
+            yield Select([], prompt="(no models)", id="bench-model", allow_blank=True)
+            for id_, label, default, tip in FIELDS:
+                yield Label(label)
+                yield Input(default, id=id_, type="integer", tooltip=tip, classes="num")
             yield Button("Run (g)", id="bench-go", variant="primary")
         yield JobBar(id="bench-job", idle="no benchmark running")
         with Horizontal(id="bench-body"):
             yield DataTable(id="bench-results", cursor_type="row")
             yield Static("Memory: run a benchmark.", id="bench-mem")
-        yield Label("tokens/s of each repetition, in order (pp, then tg)", classes="pane-title")
+        yield Label("tokens/s of each repetition of the selected model, in order (pp, then tg)", id="bench-spark-title", classes="pane-title")
         yield Sparkline([], id="bench-spark")
         yield from self.compose_footer()
 
@@ -61,8 +76,6 @@ class BenchScreen(BaseScreen):
             self._refresh_models()
 
     def _refresh_models(self) -> None:
-        from edgellm.models.store import Store
-
         sel = self.query_one("#bench-model", Select)
         try:
             names = [m.name for m in Store().list()]
@@ -78,7 +91,11 @@ class BenchScreen(BaseScreen):
 
     def action_refresh(self) -> None:
         self._refresh_models()
-        self.show_saved("edgellm.profile.bench", "load_bench_results")
+        self.in_background("saved bench results", load_bench_results, self._show_saved)
+
+    def _show_saved(self, rows: list[dict]) -> None:
+        if rows and self.token is None:
+            self.show_results(rows)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "bench-go":
@@ -92,37 +109,37 @@ class BenchScreen(BaseScreen):
         if not model:
             self.notify("pick a model first", severity="warning")
             return
-
-        def num(id_: str, default: int) -> int:
-            v = self.query_one(id_, Input).value.strip()
-            return int(v) if v.lstrip("-").isdigit() else default
-
-        pp, tg, reps = num("#bench-pp", 512), num("#bench-tg", 128), num("#bench-reps", 3)
+        try:
+            pp, tg, reps = (_int_field(self.query_one(f"#{id_}", Input).value, label) for id_, label, _, _ in FIELDS)
+        except ValueError as e:
+            self.notify(str(e), severity="warning")
+            return
         self.samples = []
         self.query_one(Sparkline).data = []
         self.token = self.app.new_token()
         self.query_one(JobBar).start(f"bench {model}")
-        self._bench(str(model), pp, tg, reps, self.token)
+        self._bench(model, pp, tg, reps, self.token)
 
     @work(thread=True, group="bench", exclusive=True)
     def _bench(self, model: str, pp: int, tg: int, reps: int, token) -> None:
-        def call():
-            bench = core("edgellm.profile.bench", "bench")
-            return call_with_supported(
-                bench, [model], pp=pp, tg=tg, repetitions=reps, on_progress=self.progress_to(self._progress, min_interval=0.1), cancel=token
-            )
-
-        ok, res = self.run_guarded(f"bench {model}", call, token=token)
-        self.ui(self._done, res if ok else None, ok)
+        ok, out = self.run_guarded(
+            f"bench {model}", bench, [model], pp=pp, tg=tg, repetitions=reps,
+            on_progress=self.progress_to(self._progress, min_interval=0.1), cancel=token, token=token,
+        )
+        self.ui(self._done, [r.to_json() for r in out] if ok else None, "" if ok else out, token.cancelled)
 
     def _progress(self, p: Progress) -> None:
         self.query_one(JobBar).update_from(p)
 
-    def _done(self, res: Any, ok: bool) -> None:
+    def _done(self, rows: Optional[list[dict]], reason: str, cancelled: bool) -> None:
         self.token = None
-        self.query_one(JobBar).finish("benchmark done" if ok else "benchmark failed or cancelled", complete=ok)
-        if ok and res is not None:
-            self.show_results(res)
+        failed = rows is None and not cancelled
+        self.query_one(JobBar).finish(
+            "benchmark done" if rows is not None else ("benchmark failed" if failed else "benchmark cancelled"),
+            complete=rows is not None, reason=reason if failed else "",
+        )
+        if rows is not None:
+            self.show_results(rows)
             self.notify("benchmark done")
 
     def action_cancel(self) -> None:
@@ -130,32 +147,47 @@ class BenchScreen(BaseScreen):
             self.token.cancel("cancelled by the user")
             self.notify("cancelling the benchmark...")
 
-    def show_results(self, res: Any) -> None:
-        rows = res if isinstance(res, (list, tuple)) else (_as_dict(res).get("rows") or [res])
-        rows = [_as_dict(r) for r in rows]
+    # -- rendering ------------------------------------------------------------
+
+    def show_results(self, rows: list[dict]) -> None:
+        self.rows = list(rows)
         t = self.query_one("#bench-results", DataTable)
-        t.clear()
-        for d in rows:
-            name = str(d.get("model") or d.get("model_filename") or "").rsplit("/", 1)[-1]
-            t.add_row(name[:28], str(d.get("test", "")), _f(d.get("avg_ts"), 1), _f(d.get("stddev_ts"), 1), _f(d.get("ttft_seconds"), 3), _f(d.get("load_seconds"), 2))
-        # tokens/s of every repetition, in the order they ran (pp reps, then tg reps)
-        latest = rows[: 2] if rows and "samples_ts" in rows[0] else rows
-        ts = [float(x) for d in latest for x in (d.get("samples_ts") or [d.get("avg_ts") or 0])]
-        self.samples = ts
-        self.query_one(Sparkline).data = ts
-        mem = next((d for d in reversed(rows) if d.get("rss_bytes")), None)
-        self.query_one("#bench-mem", Static).update(memory_split(mem) if mem else "Memory: not reported.")
+        fill(t, [
+            ((str(d["model"]).rsplit("/", 1)[-1][:28], d["test"], _f(d["avg_ts"], 1), _f(d["stddev_ts"], 1), _f(d["ttft_seconds"], 3),
+              _f(d["load_seconds"], 2)), None)
+            for d in self.rows
+        ])
+        self.show_row(t.cursor_row)
+
+    @on(DataTable.RowHighlighted, "#bench-results")
+    def _row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self.show_row(event.cursor_row)
+
+    def show_row(self, i: int) -> None:
+        """The memory panel and the sparkline follow the selected row."""
+        mem = self.query_one("#bench-mem", Static)
+        if not 0 <= i < len(self.rows):
+            mem.update("Memory: run a benchmark.")
+            self.query_one(Sparkline).data = self.samples = []
+            return
+        d = self.rows[i]
+        mem.update(memory_split(d))
+        # every repetition of this model's run, in the order they ran (pp reps, then tg reps)
+        same = [r for r in self.rows if r["model"] == d["model"] and r.get("timestamp") == d.get("timestamp")]
+        self.samples = [float(x) for r in same for x in r["samples_ts"]]
+        self.query_one(Sparkline).data = self.samples
 
 
 def memory_split(d: dict) -> Table:
-    t = Table(title="Memory", show_header=False, box=None, expand=True)
+    name = str(d["model"]).rsplit("/", 1)[-1]
+    t = Table(title=f"Memory: {name} {d['test']}", show_header=False, box=None, expand=True)
     t.add_column(style="bold", no_wrap=True)
     t.add_column(justify="right")
     t.add_column()
     rss = d.get("rss_bytes") or 0
     for label, key in (("peak RSS", "rss_bytes"), ("file-backed", "file_backed_bytes"), ("anonymous", "anon_bytes"), ("KV cache", "kv_bytes")):
         v = d.get(key)
-        if v is None:
+        if v is None:  # not measured on this platform
             continue
         bar = "█" * int(12 * v / rss) if rss else ""
         t.add_row(label, human_size(v), bar)
@@ -169,3 +201,10 @@ def _f(v: Any, nd: int) -> str:
         return f"{float(v):.{nd}f}"
     except (TypeError, ValueError):
         return str(v)
+
+
+def _int_field(text: str, label: str) -> int:
+    text = text.strip()
+    if not text.isdigit():
+        raise ValueError(f"{label}: a whole number, not {text!r}")
+    return int(text)

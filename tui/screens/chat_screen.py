@@ -15,30 +15,30 @@ from typing import Any, Optional
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, VerticalScroll
+from textual.containers import VerticalScroll
 from textual.message import Message
-from textual.widgets import DataTable, Input, Label, Markdown, Select, Static, TabbedContent, TabPane
+from textual.widgets import DataTable, Input, Label, Markdown, Static, TabbedContent, TabPane
 
+from edgellm import paths
+from edgellm.chat import history
+from edgellm.chat.session import ChatSession, Conversation
+from edgellm.engine.runtime import GenerationStats, Runtime, RuntimeOptions, SamplingParams
+from edgellm.errors import UsageError
 from edgellm.fsutil import human_size
+from edgellm.models.catalog import load_catalog
+from edgellm.models.resolve import resolve
+from edgellm.models.store import Store
+from edgellm.profile.bench import LiveSampler
 
+from tui.modes import SCREENS, key_label
+from tui.widgets.chat_settings import ChatSettings
 from tui.widgets.modals import ConfirmModal
-from tui.screens.base import BaseScreen, NotAvailable, selected_value
+from tui.widgets.tables import fill
+from tui.screens.base import BaseScreen
 
 log = logging.getLogger(__name__)
 
-SETTINGS = [
-    # key, label, default (str), placeholder
-    ("threads", "Threads", "", "auto (physical cores)"),
-    ("ctx", "Context (tokens)", "2048", ""),
-    ("gpu_layers", "GPU layers", "0", "N, auto or 0"),
-    ("temperature", "Temperature", "0.8", ""),
-    ("top_k", "Top-k", "40", ""),
-    ("top_p", "Top-p", "0.95", ""),
-    ("min_p", "Min-p", "0.05", ""),
-    ("repeat_penalty", "Repeat penalty", "1.0", ""),
-    ("max_tokens", "Max tokens", "512", ""),
-    ("seed", "Seed", "", "random"),
-]
+MODELS_KEY = key_label(next(m.key for m in SCREENS if m.name == "models"))
 
 
 class ReplyGrew(Message):
@@ -58,24 +58,23 @@ class ChatScreen(BaseScreen):
         Binding("ctrl+o", "tab('chat-sessions-tab')", "Sessions", priority=True),
         Binding("ctrl+t", "tab('chat-settings-tab')", "Settings", priority=True),
         Binding("ctrl+l", "tab('chat-main-tab')", "Chat", priority=True),
+        # listed on the Sessions tab's title line, where they apply
         Binding("d", "delete_session", "Delete", show=False),
         Binding("e", "export_session", "Export", show=False),
     ]
 
     def __init__(self) -> None:
         super().__init__()
-        self.session: Any = None  # edgellm.chat.session's session object, once a model is loaded
+        self.session: Optional[ChatSession] = None  # once a model is loaded
         self.session_key: Optional[tuple] = None  # the settings it was opened with
         self.token = None
         self.generating = False
         self.stream_updates = 0  # how many times the reply grew on screen (tests read it)
         self.last_reply = ""
-        self._t_start = 0.0
-        self._n_pieces = 0
         self._status_timer = None
-        self.last_stats: Any = None
+        self.last_stats: Optional[GenerationStats] = None
         self._resume_id: Optional[str] = None
-        self.sampler: Any = None
+        self.sampler: Optional[LiveSampler] = None
 
     # -- layout ------------------------------------------------------------
 
@@ -85,21 +84,14 @@ class ChatScreen(BaseScreen):
             with TabPane("Chat", id="chat-main-tab"):
                 with VerticalScroll(id="chat-log"):
                     yield Static("Type a message and press Enter. Escape stops a reply; Ctrl+T opens the settings.", classes="msg-info")
-                yield Input(placeholder="Message (Enter to send)", id="chat-input")
+                box = Input(placeholder="Enter sends", id="chat-input")
+                box.border_title = "Message"
+                yield box
             with TabPane("Sessions", id="chat-sessions-tab"):
                 yield Label("Saved sessions  [dim](Enter resume · d delete · e export to Markdown)[/]", classes="pane-title")
                 yield DataTable(id="chat-sessions", cursor_type="row")
             with TabPane("Settings", id="chat-settings-tab"):
-                with VerticalScroll(id="chat-settings"):
-                    with Horizontal(classes="setting"):
-                        yield Label("Model")
-                        yield Select([], prompt="(no models)", id="set-model", allow_blank=True)
-                    for key, label, default, ph in SETTINGS:
-                        with Horizontal(classes="setting"):
-                            yield Label(label)
-                            yield Input(default, placeholder=ph, id=f"set-{key}")
-                    yield Label("System prompt")
-                    yield Input("", placeholder="(none)", id="set-system")
+                yield ChatSettings(id="chat-settings")
         yield Static("no model loaded", id="chat-status")
         yield from self.compose_footer()
 
@@ -119,40 +111,29 @@ class ChatScreen(BaseScreen):
         self._close_session()
 
     def _refresh_models(self) -> None:
-        from edgellm.models.store import Store
-
-        sel = self.query_one("#set-model", Select)
         try:
             names = [m.name for m in Store().list()]
+            default = load_catalog().default.name
         except Exception as e:
             self.notify_error(e, "store")
-            names = []
-        cur = sel.value
-        sel.set_options([(n, n) for n in names])
-        if cur in names:
-            sel.value = cur
-        elif names:
-            from edgellm.models.catalog import load_catalog
-
-            default = next((n for n in names if n.startswith(load_catalog().default.name)), names[0])
-            sel.value = default
+            names, default = [], ""
+        self.query_one(ChatSettings).set_models(names, next((n for n in names if n.startswith(default)), ""))
         self._status_idle()
 
     def action_tab(self, tab: str) -> None:
+        # Focus goes into the new tab: focus left in the hidden one would move
+        # to a widget there and switch the tab straight back.
         self.query_one(TabbedContent).active = tab
         if tab == "chat-sessions-tab":
             self.refresh_sessions()
             self.query_one("#chat-sessions", DataTable).focus()
-        elif tab == "chat-main-tab":
+        elif tab == "chat-settings-tab":
+            self.query_one("#set-model").focus()
+        else:
             self.query_one("#chat-input", Input).focus()
 
-    # -- settings --------------------------------------------------------------
-
-    def settings(self) -> dict:
-        v = {key: self.query_one(f"#set-{key}", Input).value.strip() for key, *_ in SETTINGS}
-        v["model"] = selected_value(self.query_one("#set-model", Select))
-        v["system"] = self.query_one("#set-system", Input).value.strip()
-        return v
+    def settings(self) -> dict[str, str]:
+        return self.query_one(ChatSettings).values()
 
     # -- sending -----------------------------------------------------------------
 
@@ -164,9 +145,15 @@ class ChatScreen(BaseScreen):
         if self.generating:
             self.notify("a reply is still streaming (Escape stops it)", severity="warning")
             return
-        s = self.settings()
+        form = self.query_one(ChatSettings)
+        s = form.values()
         if not s["model"]:
-            self.notify("no model: pull or import one on the Models screen (1)", severity="warning")
+            self.notify(f"no model: pull or import one on the Models screen ({MODELS_KEY})", severity="warning")
+            return
+        try:  # parsed here, so a typo in a setting is said before anything loads
+            options, sampling = form.runtime_options(), form.sampling()
+        except UsageError as e:
+            self.notify(f"settings: {e}", severity="warning", timeout=8)
             return
         event.input.value = ""
         log_ = self.query_one("#chat-log", VerticalScroll)
@@ -176,43 +163,40 @@ class ChatScreen(BaseScreen):
         log_.scroll_end(animate=False)
         self.generating = True
         self.token = self.app.new_token()
-        self._t_start = time.monotonic()
-        self._n_pieces = 0
         self.last_reply = ""
-        self.sampler = _sampler()
+        self.sampler = LiveSampler(interval=0.5).start()
         self._status_timer = self.set_interval(0.5, self._status_live)
-        self._send(text, s, reply, self.token)
+        self._send(text, s, form.reload_key(), options, sampling, reply, self.token)
 
     @work(thread=True, group="chat", exclusive=False)
-    def _send(self, text: str, s: dict, reply: Markdown, token) -> None:
+    def _send(self, text: str, s: dict, key: tuple, options: RuntimeOptions, sampling: SamplingParams, reply: Markdown, token) -> None:
         acc: list[str] = []
         last = [0.0]
 
-        def on_piece(piece: str) -> None:
-            acc.append(piece)
-            self._n_pieces += 1
-            if self.sampler is not None:
-                self.sampler.tokens(1)
-            now = time.monotonic()
-            if now - last[0] >= 0.05:
-                last[0] = now
-                # post, not call_from_thread: the model never waits for the screen
-                self.post_message(ReplyGrew(reply, "".join(acc)))
-
-        def call():
-            from tui.screens.chat_backend import open_session, send
-
-            key = _session_key(s)
+        def call() -> Optional[GenerationStats]:
             if self.session is None or self.session_key != key:
                 self.ui(self._status_text, f"loading {s['model']}...")
                 self._close_session()
-                self.session = open_session(s, resume=self._resume_id, warn=lambda m: self.ui(self.notify, m, severity="warning"))
+                self.session = open_session(
+                    s["model"], options, sampling, system=s["system"], resume=self._resume_id,
+                    warn=lambda m: self.ui(self.notify, m, severity="warning"),
+                )
                 self.session_key = key
                 self._resume_id = None
-            return send(self.session, text, s, on_piece=on_piece, cancel=token)
+            self.session.sampling = sampling  # sampling changes need no reload
+            for piece in self.session.send(text, cancel=token):
+                acc.append(piece)
+                if self.sampler is not None:
+                    self.sampler.tokens(1)
+                now = time.monotonic()
+                if now - last[0] >= 0.05:
+                    last[0] = now
+                    # post, not call_from_thread: the model never waits for the screen
+                    self.post_message(ReplyGrew(reply, "".join(acc)))
+            return self.session.last_stats
 
-        ok, stats = self.run_guarded("chat", call, token=token)
-        self.ui(self._finished, reply, "".join(acc), stats if ok else None, ok, token.cancelled)
+        ok, out = self.run_guarded("chat", call, token=token)
+        self.ui(self._finished, reply, "".join(acc), out if ok else None, token.cancelled, "" if ok else out)
 
     def on_reply_grew(self, message: "ReplyGrew") -> None:
         if self.generating:
@@ -224,7 +208,7 @@ class ChatScreen(BaseScreen):
         reply.update(text)
         self.query_one("#chat-log", VerticalScroll).scroll_end(animate=False)
 
-    def _finished(self, reply: Markdown, text: str, stats: Any, ok: bool, cancelled: bool) -> None:
+    def _finished(self, reply: Markdown, text: str, stats: Optional[GenerationStats], cancelled: bool, reason: str) -> None:
         self.generating = False
         self.token = None
         if self._status_timer is not None:
@@ -235,8 +219,12 @@ class ChatScreen(BaseScreen):
             self.sampler = None
         if text != self.last_reply:
             self._grow(reply, text)
+        log_ = self.query_one("#chat-log", VerticalScroll)
         if cancelled:
-            self.query_one("#chat-log", VerticalScroll).mount(Static("[stopped]", classes="msg-info", markup=False))
+            log_.mount(Static("[stopped]", classes="msg-info", markup=False))
+        elif reason:  # kept in the conversation, where the reply would have been
+            log_.mount(Static(f"[failed: {reason}]", classes="msg-error", markup=False))
+            log_.scroll_end(animate=False)
         self.last_stats = stats
         self._status_done(stats)
 
@@ -248,13 +236,8 @@ class ChatScreen(BaseScreen):
         if self.generating:
             self.notify("stop the reply first (Escape)", severity="warning")
             return
-        from tui.screens.chat_backend import reset
-
         if self.session is not None:
-            try:
-                reset(self.session)
-            except Exception as e:
-                self.notify_error(e, "new chat")
+            self.session.reset()
         log_ = self.query_one("#chat-log", VerticalScroll)
         log_.remove_children()
         log_.mount(Static("New conversation.", classes="msg-info"))
@@ -267,55 +250,32 @@ class ChatScreen(BaseScreen):
 
     def _status_idle(self) -> None:
         s = self.settings()
-        model = s["model"] or "no model"
-        self._status_text(f"{model} · ctx {s['ctx'] or '2048'} · idle")
-
-    def _rss(self) -> int:
-        try:
-            import psutil
-
-            return psutil.Process().memory_info().rss
-        except Exception:
-            return 0
+        self._status_text(f"{s['model'] or 'no model'} · ctx {s['ctx']} · idle")
 
     def _status_live(self) -> None:
-        if self.sampler is not None:
-            snap = self.sampler.snapshot()
-            rate, rss = snap.tokens_per_second, snap.rss_bytes
-        else:
-            dt = time.monotonic() - self._t_start
-            rate, rss = (self._n_pieces / dt if dt > 0 else 0.0), self._rss()
-        self._status_text(f"{self.settings()['model']} · generating · {rate:.1f} tok/s · RSS {human_size(rss)}")
+        if self.sampler is None:
+            return
+        snap = self.sampler.snapshot()
+        self._status_text(f"{self.settings()['model']} · generating · {snap.tokens_per_second:.1f} tok/s · RSS {human_size(snap.rss_bytes)}")
 
-    def _status_done(self, stats: Any) -> None:
-        s = self.settings()
+    def _status_done(self, stats: Optional[GenerationStats]) -> None:
         if stats is None:
             self._status_idle()
             return
-        tps = getattr(stats, "tokens_per_second", 0.0) or 0.0
-        gen = getattr(stats, "generated_tokens", 0)
-        pt = getattr(stats, "evaluated_prompt_tokens", None)
-        reused = getattr(stats, "reused_tokens", None)
-        extra = f" · prompt {pt} new/{reused} reused" if pt is not None and reused is not None else ""
-        self._status_text(f"{s['model']} · {gen} tokens at {tps:.1f} tok/s{extra} · RSS {human_size(self._rss())}")
+        rss = LiveSampler().snapshot().rss_bytes
+        self._status_text(
+            f"{self.settings()['model']} · {stats.generated_tokens} tokens at {stats.tokens_per_second:.1f} tok/s"
+            f" · prompt {stats.evaluated_prompt_tokens} new/{stats.reused_tokens} reused · RSS {human_size(rss)}"
+        )
 
     # -- sessions -------------------------------------------------------------------
 
     def refresh_sessions(self) -> None:
-        from tui.screens.chat_backend import list_sessions
+        # list_sessions() reads every history file: a worker, like every other scan
+        self.in_background("sessions", history.list_sessions, self._fill_sessions, group="sessions")
 
-        t = self.query_one("#chat-sessions", DataTable)
-        t.clear()
-        try:
-            rows = list_sessions()
-        except NotAvailable as e:
-            self.notify(str(e), severity="warning")
-            return
-        except Exception as e:
-            self.notify_error(e, "sessions")
-            return
-        for r in rows:
-            t.add_row(r["id"], r.get("model", ""), str(r.get("turns", "")), (r.get("title") or "")[:40], key=r["id"])
+    def _fill_sessions(self, rows: list[history.SessionSummary]) -> None:
+        fill(self.query_one("#chat-sessions", DataTable), [((r.id, r.model, str(r.messages // 2), r.title[:40]), r.id) for r in rows])
 
     def _selected_session(self) -> str:
         t = self.query_one("#chat-sessions", DataTable)
@@ -331,21 +291,19 @@ class ChatScreen(BaseScreen):
         sid = self._selected_session()
         if not sid or self.generating:
             return
-        from tui.screens.chat_backend import load_messages
-
         try:
-            messages = load_messages(sid)
+            saved = history.load(sid)
         except Exception as e:
             self.notify_error(e, "resume")
             return
         log_ = self.query_one("#chat-log", VerticalScroll)
         log_.remove_children()
         log_.mount(Static(f"Resumed session {sid}.", classes="msg-info"))
-        for m in messages:
-            if m.get("role") == "user":
-                log_.mount(Static(f"> {m.get('content', '')}", classes="msg-user", markup=False))
-            elif m.get("role") == "assistant":
-                log_.mount(Markdown(m.get("content", ""), classes="msg-assistant"))
+        for m in saved.messages:
+            if m["role"] == "user":
+                log_.mount(Static(f"> {m['content']}", classes="msg-user", markup=False))
+            else:
+                log_.mount(Markdown(m["content"], classes="msg-assistant"))
         # The next message continues that conversation: reopen the session from history.
         self.session_key = None
         self._resume_id = sid
@@ -359,10 +317,8 @@ class ChatScreen(BaseScreen):
         def go(yes: bool | None) -> None:
             if not yes:
                 return
-            from tui.screens.chat_backend import delete_session
-
             try:
-                delete_session(sid)
+                history.delete(sid)
             except Exception as e:
                 self.notify_error(e, "delete")
                 return
@@ -375,36 +331,32 @@ class ChatScreen(BaseScreen):
         sid = self._selected_session()
         if not sid:
             return
-        from tui.screens.chat_backend import export_session
-
         try:
-            path = export_session(sid)
+            saved = history.load(sid)
+            path = history.write_copy(saved, paths.ensure(paths.home() / "exports") / f"chat-{saved.id}.md")
         except Exception as e:
             self.notify_error(e, "export")
             return
         self.notify(f"exported to {path}")
 
     def _close_session(self) -> None:
-        from tui.screens.chat_backend import close
-
         sess, self.session = self.session, None
         if sess is not None:
             try:
-                close(sess)
+                sess.close()
+                sess.runtime.close()
             except Exception:
                 log.debug("closing the chat session failed", exc_info=True)
 
 
-def _sampler() -> Any:
-    """edgellm.profile.bench's live sampler (tokens/s and RSS), started; None if unavailable."""
+def open_session(model: str, options: RuntimeOptions, sampling: SamplingParams, *, system: str, resume: Optional[str], warn) -> ChatSession:
+    """Load the model and start a conversation, or continue the saved one `resume`."""
+    resolved = resolve(model)
+    runtime = Runtime(resolved.path, options)
     try:
-        from edgellm.profile.bench import LiveSampler
-
-        return LiveSampler(interval=0.5).start()
-    except Exception:
-        return None
-
-
-def _session_key(s: dict) -> tuple:
-    # Changing any of these needs the model reloaded (sampling does not).
-    return (s["model"], s["threads"], s["ctx"], s["gpu_layers"], s["system"])
+        if resume:
+            return ChatSession.resume(runtime, resume, sampling=sampling, model_name=resolved.label, warn=warn)
+        return ChatSession(runtime, Conversation(system=system or None), sampling, model_name=resolved.label, warn=warn)
+    except BaseException:
+        runtime.close()
+        raise

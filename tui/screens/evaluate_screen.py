@@ -5,21 +5,24 @@ recommendation for this machine. Saved results are shown on arrival."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Optional
 
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Button, DataTable, Input, Select, Static
+from textual.widgets import Button, DataTable, Input, Label, Select, Static
 
 from edgellm.fsutil import human_size
+from edgellm.models.store import Store
 from edgellm.progress import Progress
+from quant.evaluate import EvalReport, Recommendation, evaluate, load_eval_results, recommend
+from quant.perplexity import BUILTIN_CORPUS
 
 from tui.widgets.jobbar import JobBar
+from tui.widgets.tables import fill
 from tui.widgets.plot import ScatterPlot
-from tui.screens.base import BaseScreen, call_with_supported, core, selected_value
-from tui.screens.quantize_screen import _as_dict
+from tui.screens.base import BaseScreen, one_line, selected_value
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +39,21 @@ class EvaluateScreen(BaseScreen):
     def __init__(self) -> None:
         super().__init__()
         self.token = None
-        self.rows: list[dict] = []
+        self.report: Optional[EvalReport] = None
         self.metric = "kld_mean"
 
     def compose(self) -> ComposeResult:
         yield from self.compose_nav()
         with Horizontal(id="eval-form", classes="form-row"):
-            yield Select([], prompt="base model", id="eval-base", allow_blank=True)
-            yield Input("q4_0,q4_k_m,q5_k_m,q8_0", placeholder="levels", id="eval-levels")
-            yield Input("", placeholder="text file (blank: built-in)", id="eval-text")
-            yield Input("4", placeholder="chunks", id="eval-chunks", type="integer")
+            yield Label("Base", classes="lead")
+            yield Select([], prompt="(no models)", id="eval-base", allow_blank=True)
+            yield Label("Levels")
+            yield Input("q4_0,q4_k_m,q5_k_m,q8_0", id="eval-levels", tooltip="levels to quantize and compare, comma-separated")
+        with Horizontal(id="eval-form2", classes="form-row"):
+            yield Label("Text file", classes="lead")
+            yield Input("", placeholder=f"blank: built-in ({BUILTIN_CORPUS})", id="eval-text")
+            yield Label("Chunks")
+            yield Input("4", id="eval-chunks", type="integer", tooltip="chunks of the text to score (more: slower, tighter)", classes="num")
             yield Button("Run (g)", id="eval-go", variant="primary")
         yield JobBar(id="eval-job", idle="no evaluation running")
         with Horizontal(id="eval-body"):
@@ -68,8 +76,6 @@ class EvaluateScreen(BaseScreen):
             self._refresh_bases()
 
     def _refresh_bases(self) -> None:
-        from edgellm.models.store import Store
-
         sel = self.query_one("#eval-base", Select)
         try:
             recs = Store().list()
@@ -88,7 +94,13 @@ class EvaluateScreen(BaseScreen):
 
     def action_refresh(self) -> None:
         self._refresh_bases()
-        self.show_saved("quant.evaluate", "load_eval_results")
+        self.in_background("saved evaluations", _saved, self._show_saved)
+
+    def _show_saved(self, saved: tuple[Optional[EvalReport], "Recommendation | str"]) -> None:
+        report, rec = saved
+        if report is not None and self.token is None:
+            self.show_results(report)
+        self._show_rec(rec)
 
     # -- running -------------------------------------------------------------
 
@@ -107,35 +119,37 @@ class EvaluateScreen(BaseScreen):
         levels = [x.strip().lower() for x in self.query_one("#eval-levels", Input).value.split(",") if x.strip()]
         text = self.query_one("#eval-text", Input).value.strip() or None
         chunks_s = self.query_one("#eval-chunks", Input).value.strip()
-        chunks = int(chunks_s) if chunks_s.isdigit() and int(chunks_s) > 0 else None
+        if chunks_s and not chunks_s.isdigit():
+            self.notify(f"Chunks: a whole number, not {chunks_s!r}", severity="warning")
+            return
         self.token = self.app.new_token()
         self.query_one(JobBar).start(f"eval {base}")
-        self._eval(str(base), levels, text, chunks, self.token)
+        self._eval(base, levels, text, int(chunks_s) if chunks_s else None, self.token)
 
     @work(thread=True, group="evaluate", exclusive=True)
-    def _eval(self, base: str, levels: list[str], text, chunks, token) -> None:
-        def call():
-            evaluate = core("quant.evaluate", "evaluate")
-            kw: dict[str, Any] = dict(on_progress=self.progress_to(self._progress), cancel=token)
-            if text:
-                kw["text"] = text
-            else:  # the placeholder promises the built-in corpus
-                kw["corpus"] = core("quant.perplexity", "BUILTIN_CORPUS")
-            if chunks:
-                kw["chunks"] = chunks
-            return call_with_supported(evaluate, base, levels, **kw)
-
-        ok, res = self.run_guarded(f"evaluate {base}", call, token=token)
-        self.ui(self._done, res if ok else None, ok)
+    def _eval(self, base: str, levels: list[str], text: Optional[str], chunks: Optional[int], token) -> None:
+        # A blank text field means the built-in corpus, as its placeholder says.
+        source = dict(text=text) if text else dict(corpus=BUILTIN_CORPUS)
+        ok, out = self.run_guarded(
+            f"evaluate {base}", evaluate, base, levels, chunks=chunks, **source,
+            on_progress=self.progress_to(self._progress), cancel=token, token=token,
+        )
+        rec = _recommendation() if ok else None
+        self.ui(self._done, out if ok else None, rec, "" if ok else out, token.cancelled)
 
     def _progress(self, p: Progress) -> None:
         self.query_one(JobBar).update_from(p)
 
-    def _done(self, res: Any, ok: bool) -> None:
+    def _done(self, report: Optional[EvalReport], rec: "Recommendation | str | None", reason: str, cancelled: bool) -> None:
         self.token = None
-        self.query_one(JobBar).finish("evaluation done" if ok else "evaluation failed or cancelled", complete=ok)
-        if ok and res is not None:
-            self.show_results(res)
+        failed = report is None and not cancelled
+        self.query_one(JobBar).finish(
+            "evaluation done" if report is not None else ("evaluation failed" if failed else "evaluation cancelled"),
+            complete=report is not None, reason=reason if failed else "",
+        )
+        if report is not None:
+            self.show_results(report)
+            self._show_rec(rec)
             self.notify("evaluation done")
 
     def action_cancel(self) -> None:
@@ -145,90 +159,51 @@ class EvaluateScreen(BaseScreen):
 
     # -- rendering ------------------------------------------------------------
 
-    def show_results(self, res: Any) -> None:
-        rows, source = _rows(res)
-        self.rows = rows
-        t = self.query_one("#eval-results", DataTable)
-        t.clear()
-        for d in rows:
-            t.add_row(
-                str(d.get("level", "?")).upper(), human_size(d.get("size_bytes") or 0), _f(d.get("ppl"), 3),
-                _f(d.get("dppl_pct"), 2, signed=True), _f(d.get("kld_mean"), 4), _f(_pct(d.get("same_top_p")), 1),
-                _f(d.get("tokens_per_second") or d.get("eval_tokens_per_second") or d.get("speed"), 0),
-            )
-        self.query_one("#eval-source", Static).update(f"[dim]{source}[/]" if source else "")
+    def show_results(self, report: EvalReport) -> None:
+        self.report = report
+        fill(self.query_one("#eval-results", DataTable), [
+            ((lv.level.upper(), human_size(lv.size_bytes), f"{lv.ppl:.3f}", f"{lv.dppl_pct:+.2f}", f"{lv.kld_mean:.4f}",
+              f"{lv.same_top_p:.1f}", f"{lv.tokens_per_second:.0f}"), None)
+            for lv in report.levels
+        ])
+        source = f"base {report.base}, corpus {report.corpus}, ctx {report.ctx}, {report.chunks} chunks"
+        self.query_one("#eval-source", Static).update(f"[dim]{source}[/]")
         self._plot()
-        self._recommend()
 
     def _plot(self) -> None:
         label = "mean KLD" if self.metric == "kld_mean" else "ΔPPL %"
-        pts = [((d.get("size_bytes") or 0) / 1e6, d.get(self.metric) or 0.0, str(d.get("level", "?")).upper()) for d in self.rows if d.get(self.metric) is not None]
+        levels = self.report.levels if self.report else []
+        pts = [(lv.size_bytes / 1e6, getattr(lv, self.metric), lv.level.upper()) for lv in levels]
         self.query_one(ScatterPlot).set_points(pts, y_label=label)
 
     def action_toggle_metric(self) -> None:
         self.metric = "dppl_pct" if self.metric == "kld_mean" else "kld_mean"
         self._plot()
 
-    def _recommend(self) -> None:
-        box = self.query_one("#eval-rec", Static)
-        try:
-            recommend = core("quant.evaluate", "recommend")
-            rec = recommend()
-        except Exception as e:
-            box.update(f"Recommendation: {e}")
+    def _show_rec(self, rec: "Recommendation | str | None") -> None:
+        if rec is None:
             return
-        box.update("Recommendation: " + _describe_rec(rec))
+        text = rec if isinstance(rec, str) else describe_rec(rec)
+        self.query_one("#eval-rec", Static).update(f"Recommendation: {text}")
 
 
-def _rows(res: Any) -> tuple[list[dict], str]:
-    """Per-level dicts from whatever the evaluation returned or saved."""
-    if res is None:
-        return [], ""
-    if isinstance(res, (list, tuple)):
-        if res and not isinstance(res[0], dict) and hasattr(res[0], "levels"):
-            res = res[-1]  # several saved reports: the latest
-        else:
-            return [_as_dict(r) for r in res], ""
-    d = _as_dict(res) if not isinstance(res, dict) else res
-    levels = d.get("levels") or d.get("results") or []
-    if isinstance(levels, dict):
-        levels = list(levels.values())
-    source = ", ".join(f"{k} {d[k]}" for k in ("base", "corpus", "ctx", "chunks") if d.get(k) is not None)
-    return [_as_dict(x) for x in levels], source
-
-
-def _describe_rec(rec: Any) -> str:
-    if rec is None:
-        return "no saved evaluation fits this machine"
-    d = _as_dict(rec) if not isinstance(rec, str) else {"text": rec}
-    if "text" in d:
-        return d["text"]
-    best = d.get("best") or d
-    bd = _as_dict(best) if not isinstance(best, dict) else best
-    parts = [str(bd.get("name") or bd.get("level") or "?")]
-    if bd.get("kld_mean") is not None:
-        parts.append(f"KLD {bd['kld_mean']:.4f}")
-    if bd.get("dppl_pct") is not None:
-        parts.append(f"ΔPPL {bd['dppl_pct']:+.2f}%")
-    if bd.get("size_bytes"):
-        parts.append(human_size(bd["size_bytes"]))
-    ru = d.get("runner_up")
-    if ru:
-        rd = _as_dict(ru) if not isinstance(ru, dict) else ru
-        parts.append(f"(runner-up {rd.get('name') or rd.get('level')})")
-    return "  ".join(parts)
-
-
-def _pct(v: Any) -> Any:
-    if v is None:
-        return None
-    return v * 100 if v <= 1.0 else v
-
-
-def _f(v: Any, nd: int, *, signed: bool = False) -> str:
-    if v is None:
-        return "-"
+def _recommendation() -> "Recommendation | str":
+    """recommend()'s pick, or why there is none (no saved results, nothing fits)."""
     try:
-        return f"{float(v):+.{nd}f}" if signed else f"{float(v):.{nd}f}"
-    except (TypeError, ValueError):
-        return str(v)
+        return recommend()
+    except Exception as e:  # a reason to show, not a failure of the screen
+        return one_line(e)
+
+
+def _saved() -> tuple[Optional[EvalReport], "Recommendation | str"]:
+    """The newest saved report and the recommendation: read in a worker."""
+    reports = load_eval_results()
+    return (reports[0] if reports else None), _recommendation()
+
+
+def describe_rec(rec: Recommendation) -> str:
+    best = rec.best
+    parts = [best.name, f"KLD {best.kld_mean:.4f}", f"ΔPPL {best.dppl_pct:+.2f}%", human_size(best.size_bytes)]
+    if rec.runner_up is not None:
+        parts.append(f"(runner-up {rec.runner_up.name})")
+    return "  ".join(parts)

@@ -1,9 +1,12 @@
 """Models: the catalog and the local store side by side; pull, import,
-delete, inspect. Every action is one call into edgellm.models.resolve / gguf_file."""
+delete, inspect. Every action is one call into edgellm.models (pull, resolve,
+store) or edgellm.gguf.reader; reading the store's GGUF headers for the fit
+marks and for inspect runs in a worker, never on the UI thread."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.text import Text
@@ -13,12 +16,20 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Label
 
+from edgellm.engine.memory import DEFAULT_CTX, estimate, fit_mark
 from edgellm.fsutil import human_size
+from edgellm.gguf.reader import GGUFInfo, human_params, read_gguf
+from edgellm.models.catalog import CatalogEntry, load_catalog
+from edgellm.models.pull import pull
+from edgellm.models.resolve import import_file, remove
+from edgellm.models.store import ModelRecord, Store
 from edgellm.progress import Progress
+from quant.levels import level_estimate
 
 from tui.widgets.jobbar import JobBar
 from tui.widgets.modals import AskModal, ConfirmModal, ReportModal
-from tui.screens.base import DEFAULT_CTX, BaseScreen, fits_mark, level_bpw, ram_needed
+from tui.widgets.tables import fill
+from tui.screens.base import BaseScreen
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +49,7 @@ class ModelsScreen(BaseScreen):
     def __init__(self) -> None:
         super().__init__()
         self.token = None
+        self.tables_loaded = 0  # how many times the tables were filled (tests wait on it)
 
     def compose(self) -> ComposeResult:
         yield from self.compose_nav()
@@ -67,46 +79,31 @@ class ModelsScreen(BaseScreen):
     # -- tables ------------------------------------------------------------
 
     def refresh_tables(self) -> None:
-        from edgellm.models.catalog import load_catalog
-        from edgellm.gguf.reader import human_params, read_gguf
-        from edgellm.models.store import Store
-
         ram = self.app.ram_bytes
         self.query_one("#ram-line", Label).update(
-            f"[dim]fits: ✓ needs < 80% of {human_size(ram)} RAM at ctx {DEFAULT_CTX} · ~ tight · ✗ too big[/]"
+            f"[dim]Fit: RAM needed at ctx {DEFAULT_CTX} vs {human_size(ram)} available: ✓ under 80% · ~ tight · ✗ too big · ? unreadable[/]"
         )
+        self.in_background("model list", lambda: _load_tables(ram), self._fill_tables, group="tables")
+
+    def _fill_tables(self, tables: "Tables") -> None:
+        for e in tables.errors:
+            self.notify_error(e, "models")
         cat = self.query_one("#catalog", DataTable)
-        cat.clear()
-        try:
-            entries = load_catalog().entries
-        except Exception as e:
-            self.notify_error(e, "catalog")
-            entries = []
-        for e in entries:
-            lv = e.default_level
-            if e.package and e.package.level == lv:
-                size, approx = e.package.size_bytes, ""
-            else:
-                size, approx = int(e.parameters * level_bpw(lv) / 8), "~"
-            name = Text(e.name + (" *" if e.default else ""))
-            cat.add_row(name, fits_mark(ram_needed(size), ram), lv, approx + human_size(size), human_params(e.parameters), key=e.name)
+        keep = self._selected("#catalog")
+        fill(cat, [
+            ((Text(e.name + (" *" if e.default else "")), mark, e.default_level, size, human_params(e.parameters)), e.name)
+            for e, mark, size in tables.catalog
+        ])
+        _restore(cat, keep)
         st = self.query_one("#store", DataTable)
-        st.clear()
-        try:
-            records = Store().list()
-        except Exception as e:
-            self.notify_error(e, "store")
-            records = []
-        for r in records:
-            kv = 0
-            try:
-                kv = read_gguf(r.path, check=False).kv_cache_bytes(DEFAULT_CTX)
-            except Exception:  # a missing file shows as unknown, not as an error
-                pass
-            src = r.source.split(":", 1)[0] if r.source else ""
-            st.add_row(r.name, fits_mark(ram_needed(r.size_bytes, kv), ram), r.level, human_size(r.size_bytes), src, r.parent or "", key=r.name)
-        if not records:
-            st.add_row(Text("(empty: pull or import a model)", style="dim"), "", "", "", "", "", key="")
+        keep = self._selected("#store")
+        rows = [
+            ((r.name, mark, r.level, human_size(r.size_bytes), r.source.split(":", 1)[0] if r.source else "", r.parent or ""), r.name)
+            for r, mark in tables.store
+        ]
+        fill(st, rows or [((Text("(empty: pull or import a model)", style="dim"), "", "", "", "", ""), "")])
+        _restore(st, keep)
+        self.tables_loaded += 1
 
     def _selected(self, table_id: str) -> str:
         t = self.query_one(table_id, DataTable)
@@ -147,10 +144,8 @@ class ModelsScreen(BaseScreen):
 
     @work(thread=True, group="models-job")
     def _pull(self, ref: str, token) -> None:
-        from edgellm.models.pull import pull
-
-        ok, rec = self.run_guarded(f"pull {ref}", pull, ref, on_progress=self.progress_to(self._progress), cancel=token, token=token)
-        self.ui(self._done, f"pulled {rec.name}" if ok else "pull failed or cancelled", ok)
+        ok, out = self.run_guarded(f"pull {ref}", pull, ref, on_progress=self.progress_to(self._progress), cancel=token, token=token)
+        self.ui(self._done, f"pulled {out.name}" if ok else _failed("pull", token), ok, "" if ok or token.cancelled else out)
 
     # -- import ------------------------------------------------------------
 
@@ -173,20 +168,18 @@ class ModelsScreen(BaseScreen):
 
     @work(thread=True, group="models-job")
     def _import(self, path: str, name, token) -> None:
-        from edgellm.models.resolve import import_file
-
-        ok, rec = self.run_guarded(
+        ok, out = self.run_guarded(
             f"import {Path(path).name}", import_file, path, name=name, on_progress=self.progress_to(self._progress), cancel=token, token=token
         )
-        self.ui(self._done, f"imported {rec.name}" if ok else "import failed or cancelled", ok)
+        self.ui(self._done, f"imported {out.name}" if ok else _failed("import", token), ok, "" if ok or token.cancelled else out)
 
     # -- shared job plumbing -----------------------------------------------
 
     def _progress(self, p: Progress) -> None:
         self.query_one(JobBar).update_from(p)
 
-    def _done(self, text: str, ok: bool) -> None:
-        self.query_one(JobBar).finish(text, complete=ok)
+    def _done(self, text: str, ok: bool, reason: str) -> None:
+        self.query_one(JobBar).finish(text, complete=ok, reason=reason)
         self.token = None
         if ok:
             self.notify(text)
@@ -208,8 +201,6 @@ class ModelsScreen(BaseScreen):
         def go(yes: bool | None) -> None:
             if not yes:
                 return
-            from edgellm.models.resolve import remove
-
             try:
                 remove(name)
             except Exception as e:
@@ -226,8 +217,6 @@ class ModelsScreen(BaseScreen):
 
     @on(DataTable.RowSelected, "#catalog")
     def _catalog_row(self, event: DataTable.RowSelected) -> None:
-        from edgellm.models.catalog import load_catalog
-
         e = load_catalog().find(str(event.row_key.value or ""))
         if e is None:
             return
@@ -244,33 +233,81 @@ class ModelsScreen(BaseScreen):
 
     def action_inspect(self) -> None:
         name = self._selected("#store")
-        if not name:
-            return
-        from edgellm.gguf.reader import human_params, read_gguf
-        from edgellm.models.store import Store
+        if name:
+            self.in_background(f"inspect {name}", lambda: _inspect(name), lambda body: self.app.push_screen(ReportModal(name, body)), group="inspect")
 
+
+def _failed(what: str, token) -> str:
+    return f"{what} cancelled" if token.cancelled else f"{what} failed"
+
+
+def _restore(table: DataTable, key: str) -> None:
+    """Put the cursor back on the row it was on before a refresh."""
+    if key:
         try:
-            rec = Store().get(name)
-            info = read_gguf(rec.path)
-        except Exception as e:
-            self.notify_error(e, "inspect")
-            return
-        types = ", ".join(f"{k} {v}" for k, v in sorted(info.tensor_types.items(), key=lambda kv: -kv[1]))
-        children = ", ".join(c.name for c in Store().children(name)) or "-"
-        body = "\n".join([
-            f"file            {rec.path}",
-            f"size            {human_size(info.size_bytes)}  ({info.bpw:.2f} bits/weight)",
-            f"level           {info.level}",
-            f"architecture    {info.architecture}  ({human_params(info.parameters)} parameters)",
-            f"layers          {info.block_count} x {info.embedding_length} wide, {info.head_count} heads ({info.head_count_kv} KV)",
-            f"context length  {info.context_length:,}",
-            f"vocabulary      {info.vocab_size:,}",
-            f"tensors         {info.tensor_count}: {types}",
-            f"KV cache        {human_size(info.kv_cache_bytes(DEFAULT_CTX))} at ctx {DEFAULT_CTX} (f16)",
-            f"chat template   {'yes' if info.has_chat_template else 'no'}",
-            f"source          {rec.source or '-'}",
-            f"parent          {rec.parent or '-'}",
-            f"children        {children}",
-            f"sha256          {rec.sha256}",
-        ])
-        self.app.push_screen(ReportModal(f"{name}", body))
+            table.move_cursor(row=table.get_row_index(key))
+        except Exception:  # that row is gone (deleted): the cursor stays on the first
+            pass
+
+
+@dataclass
+class Tables:
+    catalog: list[tuple[CatalogEntry, str, str]]  # entry, fit mark, size text
+    store: list[tuple[ModelRecord, str]]  # record, fit mark
+    errors: list[Exception]
+
+
+def _load_tables(ram: int) -> Tables:
+    """Both tables' rows with their fit marks (worker thread: it reads every
+    stored GGUF's header). The marks are the core's one RAM estimate, as in
+    `edgellm models list` and the load guard."""
+    out = Tables([], [], [])
+    try:
+        entries = load_catalog().entries
+    except Exception as e:
+        out.errors.append(e)
+        entries = []
+    for e in entries:
+        est = level_estimate(e.parameters, e.default_level)  # not downloaded: from the level's bits per weight
+        if e.package and e.package.level == e.default_level:
+            size = human_size(e.package.size_bytes)
+        else:
+            size = "~" + human_size(est.weights_bytes)
+        out.catalog.append((e, fit_mark(est.total_bytes, ram), size))
+    try:
+        records = Store().list()
+    except Exception as e:
+        out.errors.append(e)
+        records = []
+    for r in records:
+        try:
+            mark = fit_mark(estimate(read_gguf(r.path, check=False), ctx=DEFAULT_CTX).total_bytes, ram)
+        except Exception:  # a missing or broken file shows as unknown, not as an error
+            mark = "?"
+        out.store.append((r, mark))
+    return out
+
+
+def _inspect(name: str) -> str:
+    """The inspect dialog's text: the record and its GGUF header (worker thread)."""
+    store = Store()
+    rec = store.get(name)
+    info: GGUFInfo = read_gguf(rec.path)
+    types = ", ".join(f"{k} {v}" for k, v in sorted(info.tensor_types.items(), key=lambda kv: -kv[1]))
+    children = ", ".join(c.name for c in store.children(name)) or "-"
+    return "\n".join([
+        f"file            {rec.path}",
+        f"size            {human_size(info.size_bytes)}  ({info.bpw:.2f} bits/weight)",
+        f"level           {info.level}",
+        f"architecture    {info.architecture}  ({human_params(info.parameters)} parameters)",
+        f"layers          {info.block_count} x {info.embedding_length} wide, {info.head_count} heads ({info.head_count_kv} KV)",
+        f"context length  {info.context_length:,}",
+        f"vocabulary      {info.vocab_size:,}",
+        f"tensors         {info.tensor_count}: {types}",
+        f"KV cache        {human_size(info.kv_cache_bytes(DEFAULT_CTX))} at ctx {DEFAULT_CTX} (f16)",
+        f"chat template   {'yes' if info.has_chat_template else 'no'}",
+        f"source          {rec.source or '-'}",
+        f"parent          {rec.parent or '-'}",
+        f"children        {children}",
+        f"sha256          {rec.sha256}",
+    ])

@@ -13,24 +13,30 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Button, Checkbox, DataTable, Label, Select, SelectionList
+from textual.widgets import Button, DataTable, Label, Select
 
 from edgellm.fsutil import human_size
+from edgellm.models.store import Store
 from edgellm.progress import CancelToken, Progress
+from quant.levels import all_levels
+from quant.quantize import QuantizeResult, quantize
 
+from tui.widgets.checklist import CheckBox, CheckList
 from tui.widgets.jobbar import JobBar
-from tui.screens.base import BaseScreen, call_with_supported, core, selected_value
+from tui.widgets.tables import fill
+from tui.screens.base import BaseScreen, selected_value
 
 log = logging.getLogger(__name__)
 
-# Shown when quant.quantize does not publish its own list.
-FALLBACK_LEVELS = ["q4_0", "q4_k_m", "q5_k_m", "q8_0", "q4_1", "q6_k", "f16", "bf16"]
+# The levels most people want, first in the list; the four picked are the ones
+# `edgellm eval` compares by default.
+FIRST_LEVELS = ["q4_0", "q4_k_m", "q5_k_m", "q8_0", "q4_1", "q6_k", "f16", "bf16"]
 DEFAULT_PICKS = {"q4_0", "q4_k_m", "q5_k_m", "q8_0"}
 
 
@@ -42,19 +48,15 @@ class Job:
     token: CancelToken
     status: str = "queued"
     pct: float = 0.0
-    result: Any = None
-    options: dict = field(default_factory=dict)
+    results: list[QuantizeResult] = field(default_factory=list)
+    reason: str = ""  # why it failed or was cancelled, kept in its row
+    allow_requantize: bool = False
 
 
 def offered_levels() -> list[str]:
     """The levels quant.levels says edgellm can produce (imatrix ones left out)."""
-    try:
-        from quant.levels import all_levels
-
-        keys = [lv.key for lv in all_levels(usable_only=True)]
-    except Exception:  # the quant package not there yet: a short fixed list
-        return FALLBACK_LEVELS
-    first = [k for k in FALLBACK_LEVELS if k in keys]
+    keys = [lv.key for lv in all_levels(usable_only=True)]
+    first = [k for k in FIRST_LEVELS if k in keys]
     return first + [k for k in keys if k not in first]
 
 
@@ -75,6 +77,7 @@ class QuantizeScreen(BaseScreen):
         self._lock = threading.Lock()
         self._runner_active = False
         self.current: Optional[Job] = None
+        self.results: list[QuantizeResult] = []  # every finished output, in order
 
     def compose(self) -> ComposeResult:
         yield from self.compose_nav()
@@ -82,9 +85,9 @@ class QuantizeScreen(BaseScreen):
             with Vertical(id="quant-form", classes="form"):
                 yield Label("Base model")
                 yield Select([], prompt="(no models)", id="quant-base", allow_blank=True)
-                yield Label("Levels")
-                yield SelectionList[str](*[(lv.upper(), lv, lv in DEFAULT_PICKS) for lv in offered_levels()], id="quant-levels")
-                yield Checkbox("Allow requantize", id="quant-requant")
+                yield Label("Levels  [dim](space toggles)[/]")
+                yield CheckList(*[(lv.upper(), lv, lv in DEFAULT_PICKS) for lv in offered_levels()], id="quant-levels")
+                yield CheckBox("Allow requantize", id="quant-requant")
                 yield Button("Queue (a)", id="quant-go", variant="primary")
             with Vertical(id="quant-right"):
                 yield Label("Jobs  [dim](x cancels the selected job)[/]", classes="pane-title")
@@ -95,7 +98,7 @@ class QuantizeScreen(BaseScreen):
         yield from self.compose_footer()
 
     def on_mount(self) -> None:
-        self.query_one("#quant-jobs", DataTable).add_columns("#", "Base", "Level", "Status", "Done")
+        self.query_one("#quant-jobs", DataTable).add_columns("#", "Base", "Level", "Status", "Done", "Note")
         self.query_one("#quant-results", DataTable).add_columns("Output", "Level", "Size", "BPW", "Fallback", "Seconds")
         self.action_refresh()
 
@@ -104,8 +107,6 @@ class QuantizeScreen(BaseScreen):
             self.action_refresh()
 
     def action_refresh(self) -> None:
-        from edgellm.models.store import Store
-
         sel = self.query_one("#quant-base", Select)
         try:
             names = [m.name for m in Store().list()]
@@ -127,21 +128,21 @@ class QuantizeScreen(BaseScreen):
 
     def action_queue(self) -> None:
         base = selected_value(self.query_one("#quant-base", Select))
-        levels = list(self.query_one("#quant-levels", SelectionList).selected)
+        levels = list(self.query_one("#quant-levels", CheckList).selected)
         if not base:
             self.notify("pick a base model first (import or pull one on the Models screen)", severity="warning")
             return
         if not levels:
             self.notify("pick at least one level", severity="warning")
             return
-        requant = self.query_one("#quant-requant", Checkbox).value
+        requant = self.query_one("#quant-requant", CheckBox).value
         for lv in levels:
             self.queue_job(str(base), lv, allow_requantize=requant)
 
-    def queue_job(self, base: str, level: str, **options: Any) -> Job:
-        job = Job(next(self._ids), base, level, self.app.new_token(), options=options)
+    def queue_job(self, base: str, level: str, *, allow_requantize: bool = False) -> Job:
+        job = Job(next(self._ids), base, level, self.app.new_token(), allow_requantize=allow_requantize)
         self.jobs[job.id] = job
-        self.query_one("#quant-jobs", DataTable).add_row(str(job.id), base, level.upper(), "queued", "0%", key=str(job.id))
+        self._show(job)
         self._queue.put(job)
         with self._lock:
             start = not self._runner_active
@@ -151,9 +152,11 @@ class QuantizeScreen(BaseScreen):
         return job
 
     def _show(self, job: Job) -> None:
+        """Redraw the jobs table (a handful of rows), the cursor kept where it was."""
         t = self.query_one("#quant-jobs", DataTable)
-        t.update_cell(str(job.id), t.ordered_columns[3].key, job.status)
-        t.update_cell(str(job.id), t.ordered_columns[4].key, f"{job.pct:.0f}%")
+        row = t.cursor_row
+        fill(t, [((str(j.id), j.base, j.level.upper(), j.status, f"{j.pct:.0f}%", j.reason), str(j.id)) for j in self.jobs.values()])
+        t.move_cursor(row=row)
 
     # -- the runner ----------------------------------------------------------
 
@@ -172,7 +175,7 @@ class QuantizeScreen(BaseScreen):
 
     def _run_job(self, job: Job) -> None:
         if job.token.cancelled:
-            job.status = "cancelled"
+            job.status, job.reason = "cancelled", job.token.reason or "cancelled"
             self.ui(self._show, job)
             self.app.release_token(job.token)
             return
@@ -187,16 +190,16 @@ class QuantizeScreen(BaseScreen):
                 job.pct = 100.0 * p.fraction
             forward(p)
 
-        def call():
-            quantize = core("quant.quantize", "quantize")
-            return call_with_supported(quantize, job.base, [job.level], on_progress=on_progress, cancel=job.token, **job.options)
-
-        ok, results = self.run_guarded(f"quantize {job.base} → {job.level.upper()}", call, token=job.token)
+        ok, out = self.run_guarded(
+            f"quantize {job.base} → {job.level.upper()}", quantize, job.base, [job.level],
+            allow_requantize=job.allow_requantize, on_progress=on_progress, cancel=job.token, token=job.token,
+        )
         self.current = None
         if ok:
-            job.status, job.pct, job.result = "done", 100.0, results
+            job.status, job.pct, job.results = "done", 100.0, out
         else:
             job.status = "cancelled" if job.token.cancelled else "failed"
+            job.reason = out
         self.ui(self._finished, job)
 
     def _started(self, job: Job) -> None:
@@ -210,17 +213,16 @@ class QuantizeScreen(BaseScreen):
 
     def _finished(self, job: Job) -> None:
         self._show(job)
-        self.query_one(JobBar).finish(f"#{job.id} {job.status}", complete=job.status == "done")
+        self.query_one(JobBar).finish(
+            f"#{job.id} {job.status}", complete=job.status == "done", reason=job.reason if job.status == "failed" else ""
+        )
         if job.status == "done":
             self.notify(f"quantized {job.base} to {job.level.upper()}")
-            res = self.query_one("#quant-results", DataTable)
-            for r in job.result or []:
-                d = _as_dict(r)
-                out = d.get("name") or str(d.get("path", "")).rsplit("/", 1)[-1]
-                res.add_row(
-                    out, str(d.get("level", job.level)).upper(), human_size(d.get("size_bytes") or 0),
-                    f"{d.get('bpw', 0):.2f}", str(_count(d.get("fallback_tensors"))), f"{d.get('seconds', 0):.1f}",
-                )
+            self.results.extend(job.results)
+            fill(self.query_one("#quant-results", DataTable), [
+                ((r.name, r.level.upper(), human_size(r.size_bytes), f"{r.bpw:.2f}", str(r.fallback_tensors), f"{r.seconds:.1f}"), None)
+                for r in self.results
+            ])
 
     # -- cancelling ---------------------------------------------------------
 
@@ -238,24 +240,7 @@ class QuantizeScreen(BaseScreen):
         if job and job.status in ("queued", "running"):
             job.token.cancel("cancelled by the user")
             if job.status == "queued":
-                job.status = "cancelled"
+                job.status, job.reason = "cancelled", "cancelled by the user"
                 self._show(job)
             self.notify(f"cancelling job #{job.id}...")
 
-
-def _as_dict(r: Any) -> dict:
-    if isinstance(r, dict):
-        return r
-    if hasattr(r, "to_json"):
-        return r.to_json()
-    if hasattr(r, "__dataclass_fields__"):
-        from dataclasses import asdict
-
-        return asdict(r)
-    return dict(vars(r))
-
-
-def _count(v: Any) -> int:
-    if isinstance(v, (list, tuple, dict, set)):
-        return len(v)
-    return int(v or 0)

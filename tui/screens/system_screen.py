@@ -14,7 +14,11 @@ from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.widgets import Label, Static
 
+from edgellm.engine.hardware import doctor
+from edgellm.errors import ModelNotFound
 from edgellm.fsutil import human_size
+from edgellm.models.catalog import load_catalog
+from edgellm.models.resolve import resolve
 
 from tui.screens.base import BaseScreen
 
@@ -52,24 +56,19 @@ class SystemScreen(BaseScreen):
     @work(thread=True, group="doctor", exclusive=True)
     def _doctor(self, self_test: bool) -> None:
         def call():
-            from edgellm.models.catalog import load_catalog
-            from edgellm.errors import ModelNotFound
-            from edgellm.engine.hardware import doctor
-            from edgellm.models.resolve import resolve
-
             try:
                 path = resolve(load_catalog().default.name).path
             except ModelNotFound:
                 path = None
             return doctor(model_path=path, run_self_test=self_test)
 
-        ok, rep = self.run_guarded("doctor", call)
-        self.ui(self._show, rep if ok else None)
+        ok, out = self.run_guarded("doctor", call)
+        self.ui(self._show, out if ok else None, "" if ok else out)
 
-    def _show(self, rep) -> None:
+    def _show(self, rep, reason: str = "") -> None:
         self.running = False
         if rep is None:
-            self.query_one("#doctor-report", Static).update("The doctor failed (see the notification). Press r to retry.")
+            self.query_one("#doctor-report", Static).update(Text(f"The doctor failed: {reason}\nPress r to retry."))
             return
         self.report = rep
         self.query_one("#doctor-report", Static).update(render_report(rep))

@@ -1,10 +1,11 @@
-"""One line for a running job: what it is, a progress bar, amount, rate, ETA."""
+"""One line for a running job: what it is, a progress bar, amount, rate, ETA;
+and, under it, why the last job failed, until the next one starts."""
 
 from __future__ import annotations
 
 from textual.app import ComposeResult
-from textual.containers import Horizontal
-from textual.widgets import Label, ProgressBar
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Label, ProgressBar, Static
 
 from edgellm.progress import Progress, format_amount
 
@@ -25,18 +26,24 @@ def describe(p: Progress) -> str:
     return "  ".join(parts)
 
 
-class JobBar(Horizontal):
-    """Idle until `start()`; `update_from(progress)` as events arrive; `finish()`."""
+class JobBar(Vertical):
+    """Idle until `start()`; `update_from(progress)` as events arrive; `finish()`.
+
+    A failed job's reason stays on the line below the bar (a notification is
+    gone in seconds) until `start()` begins the next job."""
 
     def __init__(self, idle: str = "no job running", **kw) -> None:
         super().__init__(**kw)
         self.idle = idle
         self.running = False
+        self.reason = ""
 
     def compose(self) -> ComposeResult:
-        yield Label(self.idle, classes="job-task")
-        yield ProgressBar(total=100, show_eta=False, classes="job-bar")
-        yield Label("", classes="job-detail")
+        with Horizontal(classes="job-line"):
+            yield Label(self.idle, classes="job-task")
+            yield ProgressBar(total=100, show_eta=False, classes="job-bar")
+            yield Label("", classes="job-detail")
+        yield Static("", classes="job-reason", markup=False)
 
     @property
     def bar(self) -> ProgressBar:
@@ -44,6 +51,7 @@ class JobBar(Horizontal):
 
     def start(self, task: str) -> None:
         self.running = True
+        self._reason("")
         self.query_one(".job-task", Label).update(task)
         self.query_one(".job-detail", Label).update("starting...")
         self.bar.update(total=None, progress=0)
@@ -53,9 +61,19 @@ class JobBar(Horizontal):
             self.bar.update(total=p.total, progress=p.done)
         self.query_one(".job-detail", Label).update(describe(p))
 
-    def finish(self, text: str, *, complete: bool = True) -> None:
+    def finish(self, text: str, *, complete: bool = True, reason: str = "") -> None:
+        """`reason`: why the job failed, shown in full under the bar."""
         self.running = False
         if complete:
             total = self.bar.total or 100
             self.bar.update(total=total, progress=total)
+        elif self.bar.total is None:  # stopped before any progress: an empty bar, not a pulsing one
+            self.bar.update(total=100, progress=0)
         self.query_one(".job-detail", Label).update(text)
+        self._reason(reason)
+
+    def _reason(self, text: str) -> None:
+        self.reason = text
+        line = self.query_one(".job-reason", Static)
+        line.update(f"✗ {text}" if text else "")
+        line.display = bool(text)

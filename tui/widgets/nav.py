@@ -1,26 +1,35 @@
-"""The top bar: which screen this is, and the keys for the others."""
+"""The top bar: which screen this is, and the keys for every screen and for quitting."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from rich.text import Text
 from textual.widgets import Static
 
+from tui.modes import QUIT_KEY, Mode, key_label
+
 
 class NavBar(Static):
-    """`1 Models  2 Quantize ...` with the current screen highlighted."""
+    """`F1 Models  F2 Quantize ... ^q Quit` with the current screen highlighted.
 
-    def __init__(self, current: str, **kw) -> None:
+    The keys are the app's priority bindings, so they work from every screen,
+    text fields included; this bar is where the user learns them."""
+
+    def __init__(self, current: str, screens: Sequence[Mode], **kw) -> None:
         super().__init__(**kw)
         self.current = current
+        self.screens = tuple(screens)
 
     def render(self) -> Text:
-        from tui.app import SCREENS
-
         out = Text(" edgellm ", style="bold")
-        for mode, key, label in SCREENS:
-            if mode == self.current:
-                out.append(f" {key} {label} ", style="bold reverse")
+        for mode in self.screens:
+            key = key_label(mode.key)
+            if mode.name == self.current:
+                out.append(f" {key} {mode.label} ", style="bold reverse")
             else:
-                out.append(f" {key}", style="bold dim")
-                out.append(f" {label} ")
+                out.append(f" {key}", style="bold")
+                out.append(f" {mode.label} ")
+        out.append(f"  {key_label(QUIT_KEY)}", style="bold")
+        out.append(" Quit")
         return out

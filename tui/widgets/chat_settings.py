@@ -1,0 +1,104 @@
+"""The Chat screen's Settings tab: the model, the load options and sampling,
+each field labelled, read back as the core's own option dataclasses.
+
+A field that does not parse is an error naming the field, never a silent
+default: a typo in "Temperature" must not chat at 0.8 without saying so.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, VerticalScroll
+from textual.widgets import Input, Label, Select
+
+from edgellm.engine.runtime import RuntimeOptions, SamplingParams
+from edgellm.errors import UsageError
+
+# key, label, default (str), placeholder; defaults are the core dataclasses' own
+_S = SamplingParams()
+FIELDS = [
+    ("threads", "Threads", "", "auto (physical cores)"),
+    ("ctx", "Context (tokens)", str(RuntimeOptions().n_ctx), ""),
+    ("gpu_layers", "GPU layers", "0", "N, auto or 0"),
+    ("temperature", "Temperature", str(_S.temperature), ""),
+    ("top_k", "Top-k", str(_S.top_k), ""),
+    ("top_p", "Top-p", str(_S.top_p), ""),
+    ("min_p", "Min-p", str(_S.min_p), ""),
+    ("repeat_penalty", "Repeat penalty", str(_S.repeat_penalty), ""),
+    ("max_tokens", "Max tokens", str(_S.max_tokens), ""),
+    ("seed", "Seed", "", "random"),
+]
+LABELS = {key: label for key, label, _, _ in FIELDS}
+# Changing one of these needs the model reloaded; sampling applies at the next turn.
+RELOAD_KEYS = ("model", "threads", "ctx", "gpu_layers", "system")
+
+
+class ChatSettings(VerticalScroll):
+    def compose(self) -> ComposeResult:
+        with Horizontal(classes="setting"):
+            yield Label("Model")
+            yield Select([], prompt="(no models)", id="set-model", allow_blank=True)
+        for key, label, default, ph in FIELDS:
+            with Horizontal(classes="setting"):
+                yield Label(label)
+                yield Input(default, placeholder=ph, id=f"set-{key}")
+        yield Label("System prompt")
+        yield Input("", placeholder="(none)", id="set-system")
+
+    def values(self) -> dict[str, str]:
+        v = {key: self.query_one(f"#set-{key}", Input).value.strip() for key, *_ in FIELDS}
+        model = self.query_one("#set-model", Select).value
+        v["model"] = model if isinstance(model, str) else ""
+        v["system"] = self.query_one("#set-system", Input).value.strip()
+        return v
+
+    def set_models(self, names: list[str], default: str = "") -> None:
+        sel = self.query_one("#set-model", Select)
+        cur = sel.value
+        sel.set_options([(n, n) for n in names])
+        if cur in names:
+            sel.value = cur
+        elif names:
+            sel.value = default if default in names else names[0]
+
+    def reload_key(self) -> tuple:
+        v = self.values()
+        return tuple(v[k] for k in RELOAD_KEYS)
+
+    def runtime_options(self) -> RuntimeOptions:
+        v = self.values()
+        gl = v["gpu_layers"] or "0"
+        layers: Union[int, str] = gl if gl == "auto" else _int(gl, "gpu_layers", lo=0)
+        return RuntimeOptions(n_ctx=_int(v["ctx"], "ctx", lo=16), n_threads=_opt_int(v["threads"], "threads", lo=1), n_gpu_layers=layers)
+
+    def sampling(self) -> SamplingParams:
+        v = self.values()
+        return SamplingParams(
+            temperature=_float(v["temperature"], "temperature"), top_k=_int(v["top_k"], "top_k", lo=0),
+            top_p=_float(v["top_p"], "top_p"), min_p=_float(v["min_p"], "min_p"),
+            repeat_penalty=_float(v["repeat_penalty"], "repeat_penalty"),
+            max_tokens=_int(v["max_tokens"], "max_tokens", lo=1), seed=_opt_int(v["seed"], "seed"),
+        )
+
+
+def _int(text: str, key: str, *, lo: Optional[int] = None) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise UsageError(f"{LABELS[key]}: a whole number, not {text!r}") from None
+    if lo is not None and n < lo:
+        raise UsageError(f"{LABELS[key]}: at least {lo}, not {n}")
+    return n
+
+
+def _opt_int(text: str, key: str, *, lo: Optional[int] = None) -> Optional[int]:
+    return _int(text, key, lo=lo) if text else None
+
+
+def _float(text: str, key: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(f"{LABELS[key]}: a number, not {text!r}") from None
