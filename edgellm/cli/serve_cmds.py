@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from edgellm.cli.worker_cmds import prepare_rpc, rpc_options
+
 
 @click.command("serve")
 @click.argument("model", required=False)
@@ -16,7 +18,8 @@ import click
 @click.option("--parallel", default=None, type=click.IntRange(1, 64), help="Requests decoded together per model (continuous batching) [default: physical cores, 4 to 8].")
 @click.option("--threads", "n_threads", default=None, type=click.IntRange(1, 1024), help="CPU threads per model [default: physical cores].")
 @click.option("--access-log", is_flag=True, help="Log every request on stderr.")
-def serve_cmd(model, host, port, api_key, max_loaded, queue_size, n_ctx, parallel, n_threads, access_log) -> None:
+@rpc_options
+def serve_cmd(model, host, port, api_key, max_loaded, queue_size, n_ctx, parallel, n_threads, access_log, rpc=None, rpc_split=None) -> None:
     """Serve the store over an OpenAI-compatible API.
 
     \b
@@ -37,8 +40,17 @@ def serve_cmd(model, host, port, api_key, max_loaded, queue_size, n_ctx, paralle
         raise UsageError(f"edgellm serve needs the server extra ({e.name} is missing): pip install 'edgellm[serve]'") from None
     from edgellm.serve.app import ServerConfig, bind_warning, serve
 
+    if rpc and model:  # reach the workers and show the plan now: a bad --rpc is a one-line error before binding
+        from edgellm.models.resolve import resolve
+
+        prepare_rpc(resolve(model).path, rpc, rpc_split, n_ctx=n_ctx or 4096)
+    elif rpc:
+        from edgellm.engine.rpc import parse_endpoints
+
+        parse_endpoints(rpc)
+
     cfg = ServerConfig(default_model=model, host=host, port=port, api_key=api_key or None, max_loaded=max_loaded,
-                       queue_size=queue_size, n_ctx=n_ctx, n_threads=n_threads, access_log=access_log, parallel=parallel)
+                       queue_size=queue_size, n_ctx=n_ctx, n_threads=n_threads, access_log=access_log, rpc=rpc, rpc_split=rpc_split, parallel=parallel)
     warning = bind_warning(host, cfg.api_key)
     if warning:
         click.echo(f"warning: {warning}", err=True)

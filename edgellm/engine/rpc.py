@@ -214,9 +214,13 @@ def _speaks_http(ep: Endpoint, timeout: float) -> bool:
         return False
 
 
-def probe_all(endpoints: Sequence[Endpoint], *, timeout: float = PROBE_TIMEOUT) -> list[WorkerInfo]:
+def probe_all(endpoints: Sequence[Endpoint], *, timeout: float = PROBE_TIMEOUT,
+              known: Optional[dict[Endpoint, WorkerInfo]] = None) -> list[WorkerInfo]:
+    """Probe each worker; `known` ones (this process already holds their connection, so a new one
+    would wait behind it in the worker's accept queue) are taken as they were."""
     local = local_version()
-    return [probe(ep, timeout=timeout, local=local) for ep in endpoints]
+    known = known or {}
+    return [known[ep] if ep in known else probe(ep, timeout=timeout, local=local) for ep in endpoints]
 
 
 # -- the plan -----------------------------------------------------------------
@@ -371,14 +375,15 @@ def plan(path: Path | str, workers: Sequence[WorkerInfo], *, local_memory: int, 
 
 
 def prepare(path: Path | str, endpoints: Sequence[str] | str, *, n_ctx: int, kv_type: str = "f16", n_ubatch: int = 512,
-            split: Optional[str] = None, force: bool = False, timeout: float = PROBE_TIMEOUT) -> Plan:
+            split: Optional[str] = None, force: bool = False, timeout: float = PROBE_TIMEOUT,
+            known: Optional[dict[Endpoint, WorkerInfo]] = None) -> Plan:
     """Parse, reach and check every worker, then plan the split: everything before llama.cpp sees them."""
     from edgellm.engine.memory import available_ram
 
     eps = parse_endpoints(endpoints)
     if not eps:
         raise UsageError("--rpc: no workers given")
-    workers = probe_all(eps, timeout=timeout)
+    workers = probe_all(eps, timeout=timeout, known=known)
     n_dev = 1 + sum(len(w.devices) for w in workers)
     return plan(path, workers, local_memory=available_ram(), n_ctx=n_ctx, kv_type=kv_type, n_ubatch=n_ubatch,
                 split=parse_split(split, n_dev), force=force)

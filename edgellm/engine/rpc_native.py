@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 _ABORT_CB = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 _GET_MEMORY = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
 _lock = threading.Lock()
-_state: dict[str, Any] = {"mode": None, "cb": None, "endpoints": [], "listeners": [], "lost": set()}
+_state: dict[str, Any] = {"mode": None, "cb": None, "endpoints": [], "listeners": [], "lost": set(), "infos": {}, "fds": {}}
 
 
 def _lib_dir() -> Path:
@@ -139,38 +139,49 @@ def model_devices(devices: Sequence[int]) -> Iterator[None]:
             lc.llama_model_default_params = orig
 
 
-def _sockets_to(ep: Endpoint) -> list[socket.socket]:
-    """Duplicates of this process's TCP connections to `ep` (close them; the originals stay open)."""
+def _fd_id(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")  # "socket:[inode]": tells a reused fd number apart
+    except OSError:
+        return ""
+
+
+def _connections_to(ep: Endpoint) -> list[int]:
+    """This process's TCP connections to `ep` (file descriptors, found by peer address)."""
     try:
         ip = socket.gethostbyname(ep.host)
     except OSError:
         return []
-    out = []
+    fds = []
     for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
-        try:
-            fd = int(name)
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                continue
-            s = socket.socket(fileno=os.dup(fd))
-        except (OSError, ValueError):
+        if not name.isdigit() or not _fd_id(int(name)).startswith("socket:"):
             continue
         try:
-            peer = s.getpeername() if s.family == socket.AF_INET else None
+            s = socket.socket(fileno=os.dup(int(name)))
         except OSError:
-            peer = None
-        if peer == (ip, ep.port):
-            out.append(s)
-        else:
-            s.close()
-    return out
+            continue
+        with s:
+            try:
+                if s.family == socket.AF_INET and s.getpeername() == (ip, ep.port):
+                    fds.append(int(name))
+            except OSError:
+                pass
+    return fds
 
 
 def harden_sockets(endpoints: Sequence[Endpoint]) -> int:
-    """Keepalive and a user timeout on every connection to the workers: a vanished host fails within ~10 s."""
+    """Keepalive and a user timeout on every connection to the workers: a vanished host fails within ~10 s.
+
+    The connections are also recorded here, while they are up: once reset, a
+    socket has no peer address left to be found by.
+    """
     n = 0
     for ep in endpoints:
-        for s in _sockets_to(ep):
-            with s, contextlib.suppress(OSError, AttributeError):
+        fds = _connections_to(ep)
+        with _lock:
+            _state["fds"][ep] = [(fd, _fd_id(fd)) for fd in fds]
+        for fd in fds:
+            with contextlib.suppress(OSError, AttributeError), socket.socket(fileno=os.dup(fd)) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
@@ -180,24 +191,34 @@ def harden_sockets(endpoints: Sequence[Endpoint]) -> int:
     return n
 
 
+def connected(ep: Endpoint) -> bool:
+    """Whether this process still holds its recorded connection to `ep`."""
+    return any(ident and _fd_id(fd) == ident for fd, ident in _state["fds"].get(ep, []))
+
+
 def lost_endpoints(endpoints: Optional[Sequence[Endpoint]] = None) -> list[Endpoint]:
-    """Workers whose connection is closed or reset (read between requests, when nothing is due from them)."""
+    """Workers whose recorded connection is closed or reset (read when nothing is due from them).
+
+    A worker with no live recorded connection (its model was unloaded here) is
+    not counted: the next load probes it.
+    """
     eps = list(endpoints) if endpoints is not None else list(_state["endpoints"])
     lost = []
     for ep in eps:
         if ep in _state["lost"]:
             lost.append(ep)
             continue
-        socks = _sockets_to(ep)
-        dead = not socks
-        for s in socks:
-            with s:
-                try:
+        dead = False
+        for fd, ident in _state["fds"].get(ep, []):
+            if not ident or _fd_id(fd) != ident:
+                continue
+            try:
+                with socket.socket(fileno=os.dup(fd)) as s:
                     dead |= s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-                except (BlockingIOError, InterruptedError):
-                    pass
-                except OSError:
-                    dead = True
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                dead = True
         if dead:
             lost.append(ep)
     return lost
@@ -233,7 +254,7 @@ def install_abort_handler(mode: str) -> None:
                 lost = lost_endpoints()
             except Exception:  # never raise out of a C callback
                 lost = []
-            who = ", ".join(map(str, lost)) or "a worker"
+            who = ", ".join(map(str, lost)) or "(one of " + ", ".join(map(str, _state["endpoints"])) + ")"
             msg = f"RPC worker {who} went away during a generation ({reason})" if ("RPC" in text or lost) else f"llama.cpp aborted: {reason}"
             if _state["mode"] == "park":
                 _state["lost"].update(lost)
@@ -302,8 +323,9 @@ def plan_for(path: Path | str, options: Any) -> Any:
     """The split plan for a `RuntimeOptions` with `rpc` set (probes the workers)."""
     from edgellm.engine.rpc import prepare
 
+    known = {ep: info for ep, info in _state["infos"].items() if connected(ep) and ep not in _state["lost"]}
     return prepare(path, options.rpc, n_ctx=options.n_ctx, kv_type=options.kv_type, n_ubatch=options.n_ubatch,
-                   split=options.rpc_split, force=options.force)
+                   split=options.rpc_split, force=options.force, known=known)
 
 
 @contextlib.contextmanager
@@ -311,6 +333,8 @@ def loading(plan: Any, kw: dict[str, Any]) -> Iterator[None]:
     """Load the model in this block onto the plan's devices: workers registered, llama.cpp's
     layer split set in `kw`, and the connections hardened once the weights are sent."""
     devices = add_servers([w.endpoint for w in plan.workers])
+    with _lock:
+        _state["infos"].update({w.endpoint: w for w in plan.workers})
     kw.update(n_gpu_layers=plan.n_gpu_layers, tensor_split=plan.tensor_split, split_mode=1, main_gpu=0)  # 1: LLAMA_SPLIT_MODE_LAYER
     with model_devices(devices):
         yield

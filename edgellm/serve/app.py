@@ -55,6 +55,16 @@ class ServerConfig:
     n_threads: Optional[int] = None
     access_log: bool = False
     parallel: Optional[int] = None  # sequences decoded together per model (None: pool.default_parallel())
+    rpc: Optional[str] = None  # llama.cpp RPC workers HOST:PORT[,...] every model is split across (edgellm.serve.rpc_guard)
+    rpc_split: Optional[str] = None
+
+
+def _rpc_options(config: ServerConfig) -> Any:
+    if not config.rpc:
+        return None
+    from edgellm.engine.runtime import RuntimeOptions
+
+    return RuntimeOptions(rpc=config.rpc, rpc_split=config.rpc_split)
 
 
 def is_loopback(host: str) -> bool:
@@ -142,7 +152,8 @@ def create_app(config: ServerConfig, *, pool: Optional[ModelPool] = None):
     from edgellm.serve.metrics import CountStatus, Metrics
 
     pool = pool or ModelPool(max_loaded=config.max_loaded, queue_size=config.queue_size,
-                             n_ctx=config.n_ctx, n_threads=config.n_threads, parallel=config.parallel)
+                             n_ctx=config.n_ctx, n_threads=config.n_threads, parallel=config.parallel,
+                             runtime_options=_rpc_options(config))
     metrics = Metrics()
     fingerprint = f"edgellm-{__version__}"
 

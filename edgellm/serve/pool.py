@@ -149,11 +149,19 @@ class ModelPool:
         self._load_line: collections.deque = collections.deque()
         self._closing = False
         self.finished: collections.Counter = collections.Counter()  # stop reasons, for /metrics
+        if self.base_options.rpc:  # a lost RPC worker fails its requests with a 503, not the server
+            from edgellm.serve import rpc_guard
+
+            rpc_guard.attach(self)
 
     # -- called from the HTTP side ---------------------------------------------
 
     def submit(self, spec: ModelSpec, job: Job) -> None:
         """Queue `job` for `spec`, or refuse it at once (429 when the queue is full)."""
+        if self.base_options.rpc:
+            from edgellm.serve import rpc_guard
+
+            rpc_guard.check(self)
         with self._cond:
             if self._closing:
                 raise shutting_down()
