@@ -90,8 +90,11 @@ def catalog_path() -> Path:
     env = os.environ.get("EDGELLM_CATALOG")
     if env:
         return Path(env)
-    # models.toml sits at the project root, beside the packages.
-    return Path(__file__).resolve().parents[2] / "models.toml"
+    # models.toml sits at the project root, beside the packages; an installed
+    # wheel (the offline bundle's) carries it inside this package instead:
+    # edgellm/models/models.toml is a symlink that the wheel build resolves.
+    root = Path(__file__).resolve().parents[2] / "models.toml"
+    return root if root.is_file() else Path(__file__).resolve().parent / "models.toml"
 
 
 def parse_ref(ref: str) -> tuple[str, Optional[str]]:
