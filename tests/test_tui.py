@@ -55,7 +55,11 @@ async def type_text(pilot, text: str) -> None:
 
 
 def errors(app) -> list[str]:
-    return [m for sev, m in app.notices if sev == "error"]
+    return errors_in(app.notices)
+
+
+def errors_in(notices) -> list[str]:
+    return [m for sev, m in notices if sev == "error"]
 
 
 def screen_text(app, widget=None) -> str:
@@ -332,6 +336,66 @@ def test_a_failed_quantize_job_keeps_its_reason_on_screen(default_model, default
     assert row == ["failed", "0%", reason]  # ...the reason stays in the job's row...
     assert squeeze(reason) in squeeze(bar_text), bar_text  # ...and whole, on screen, under the job bar
     assert "#1 failed" in bar_text
+
+
+def test_a_failed_pull_keeps_its_reason_until_the_next_job(monkeypatch, default_gguf):
+    monkeypatch.setenv("EDGELLM_OFFLINE", "1")  # no network: the pull fails, with a reason
+
+    async def run():
+        app = make()
+        async with app.run_test(size=SIZE) as pilot:
+            scr = app.screen
+            await settled(pilot)
+            scr.start_pull("smollm2-360m-instruct")
+            bar = scr.query_one("JobBar")
+            await wait_for(pilot, lambda: not bar.running, 30, "the pull to fail")
+            await settled(pilot)
+            failed = (bar.reason, screen_text(app, bar))
+            scr.start_import(str(default_gguf))  # the next job clears it
+            await pilot.pause()
+            cleared = bar.reason
+            await wait_for(pilot, lambda: not bar.running, 60, "the import")
+            return failed, cleared, errors(app)
+
+    (reason, shown), cleared, errs = asyncio.run(run())
+    assert errs == [f"pull smollm2-360m-instruct: {reason}"] and "offline" in reason.lower(), errs
+    assert "pull failed" in shown and squeeze(reason) in squeeze(shown), shown
+    assert cleared == ""
+
+
+def test_bench_memory_panel_follows_the_selected_row(default_model):
+    from textual.widgets import DataTable, Input, Sparkline
+
+    from edgellm.fsutil import human_size
+
+    async def run():
+        app = make(initial="bench")
+        async with app.run_test(size=SIZE) as pilot:
+            scr = app.screen
+            for id_, v in (("#bench-pp", "32"), ("#bench-tg", "8"), ("#bench-reps", "2")):
+                scr.query_one(id_, Input).value = v
+            await pilot.press("g")
+            await wait_for(pilot, lambda: scr.token is None, 300, "the benchmark")
+            await pilot.pause(0.2)
+            table = scr.query_one("#bench-results", DataTable)
+            table.focus()
+            seen = []
+            for row in (0, 1, 0):
+                table.move_cursor(row=row)
+                await pilot.pause(0.2)
+                seen.append((table.cursor_row, screen_text(app, scr.query_one("#bench-mem"))))
+            return scr.rows, seen, list(scr.query_one(Sparkline).data), app.notices
+
+    rows, seen, spark, notices = asyncio.run(run())
+    assert not errors_in(notices), notices
+    assert [r["test"] for r in rows] == ["pp32", "tg8"]
+    for i, text in seen:
+        r = rows[i]
+        assert f"{r['test']}" in text and human_size(r["rss_bytes"]) in text, (i, text)
+        assert human_size(r["anon_bytes"]) in text
+    assert seen[0][1] != seen[1][1]
+    # the sparkline: every repetition of that run, pp then tg
+    assert spark == [*rows[0]["samples_ts"], *rows[1]["samples_ts"]] and len(spark) == 4
 
 
 def test_chat_streams_a_reply_and_escape_stops_one(default_model):
