@@ -30,7 +30,8 @@ def list_cmd(as_json: bool, local: bool) -> None:
     if as_json:
         emit_json({
             "models": [
-                {k: m.to_json()[k] for k in ("name", "path", "size_bytes", "sha256", "level", "source", "parent", "architecture", "parameters", "context_length", "catalog")}
+                {**{k: m.to_json()[k] for k in ("name", "path", "size_bytes", "sha256", "level", "source", "parent", "architecture", "parameters", "context_length", "catalog")},
+                 "link": m.link}
                 for m in models
             ],
             "catalog": [
@@ -45,6 +46,7 @@ def list_cmd(as_json: bool, local: bool) -> None:
         click.echo("  (empty: `edgellm pull smollm2-135m-instruct` fetches the default model)")
     for m in models:
         lineage = f"  <- {m.parent}" if m.parent else ""
+        lineage += f"  [linked: {m.link['mode']} to {m.link['origin']}]" if m.link else ""
         click.echo(f"  {m.name:<40} {m.level:<8} {human_size(m.size_bytes):>9}  {m.source}{lineage}")
     if catalog:
         ram = memory().total_bytes
@@ -105,32 +107,22 @@ def pull_cmd(ref, level, filename, offline, force, wheel, name, revision, as_jso
 
 @click.command("export")
 @click.argument("names", nargs=-1, required=True)
-@click.option("--to", "dest", required=True,
-              help="New folder for an air-gap bundle; or `ollama` (then NAME DIR) or `llama-server` (a folder with one of those names: ./ollama).")
+@click.option("--to", "dest", required=True, type=click.Path(path_type=Path), help="New folder to write the bundle to.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the manifest).")
-@click.option("--ctx", "n_ctx", type=click.IntRange(64, 1 << 20), default=None, help="ollama/llama-server: context size [default: the model's, at most 4096].")
-@click.option("--threads", type=click.IntRange(1, 1024), default=None, help="llama-server: CPU threads [default: physical cores].")
-@click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="llama-server: KV cache type.")
-@click.option("--rpc", default=None, metavar="HOST:PORT[,...]", help="llama-server: split across these RPC workers.")
-def export_cmd(names, dest: str, as_json: bool, n_ctx, threads, kv_type, rpc) -> None:
-    """Write models and a manifest (sha256, sizes, lineage) to a folder, for an air gap;
-    or hand a model to Ollama or llama-server.
+def export_cmd(names, dest: Path, as_json: bool) -> None:
+    """Write models and a manifest (sha256, sizes, lineage) to a folder, for an air gap.
 
     \b
     Examples:
       edgellm export smollm2-135m-instruct-q4_1 --to /media/usb/models
       edgellm import /media/usb/models      # on the other machine
-      edgellm export smollm2-135m-instruct-q4_1 --to ollama ./smollm2-ollama   # GGUF + Modelfile
-      edgellm export smollm2-135m-instruct-q4_1 --to llama-server              # the command line
     """
     import json as _json
 
     from edgellm.models import bundle
 
-    if dest in ("ollama", "llama-server"):
-        return _handoff(dest, list(names), as_json, n_ctx=n_ctx, threads=threads, kv_type=kv_type, rpc=rpc)
     with running_job(not as_json) as (bar, token):
-        folder = bundle.export_bundle(list(names), Path(dest), on_progress=bar, cancel=token)
+        folder = bundle.export_bundle(list(names), dest, on_progress=bar, cancel=token)
     manifest = _json.loads((folder / bundle.MANIFEST).read_text(encoding="utf-8"))
     if as_json:
         emit_json({"path": str(folder), **manifest})
@@ -139,30 +131,6 @@ def export_cmd(names, dest: str, as_json: bool, n_ctx, threads, kv_type, rpc) ->
 
         size = sum(m["size_bytes"] for m in manifest["models"])
         click.echo(f"exported {len(manifest['models'])} model(s), {human_size(size)}, to {folder}")
-
-
-def _handoff(target: str, names: list[str], as_json: bool, **kw) -> None:
-    from edgellm.chat import handoff
-    from edgellm.errors import UsageError
-
-    if target == "ollama":
-        if len(names) != 2:
-            raise UsageError("usage: edgellm export NAME --to ollama DIR")
-        with running_job(not as_json) as (bar, token):
-            res = handoff.export_ollama(names[0], Path(names[1]), n_ctx=kw["n_ctx"], on_progress=bar, cancel=token)
-        if as_json:
-            return emit_json(res)
-        click.echo(f"wrote {res['gguf']} and {res['modelfile']}")
-        click.echo(f"then: {res['create']}")
-        return
-    if len(names) != 1:
-        raise UsageError("usage: edgellm export NAME --to llama-server")
-    res = handoff.llama_server(names[0], **kw)
-    if as_json:
-        return emit_json(res)
-    click.echo(res["command_line"])
-    click.echo("\n# llama-swap (config.yaml):")
-    click.echo(res["llama_swap"], nl=False)
 
 
 @click.command("import")
