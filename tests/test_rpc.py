@@ -301,3 +301,16 @@ def test_killing_a_worker_mid_request_gives_serve_a_503_and_no_hang(default_mode
             server.communicate()
         a.stop()
         b.stop()
+
+
+def test_doctor_shows_rpc_and_the_protocol_a_worker_speaks(cli, workers):
+    from edgellm.engine.rpc import Endpoint, probe
+
+    res = cli("doctor", "--no-self-test", "--json")
+    rpc = res.json()["rpc"]
+    assert rpc["compiled_in"] is True
+    info = probe(Endpoint("127.0.0.1", workers[0].port))
+    assert rpc["protocol"] == ".".join(map(str, info.version)) == "7.0.0"
+    assert info.devices == [(8 * GiB, 8 * GiB)]
+    text = cli("doctor", "--no-self-test")
+    assert "rpc               compiled in, protocol 7.0.0" in text.stdout

@@ -34,7 +34,7 @@ def doctor_cmd(as_json: bool, model_ref, no_self_test: bool) -> None:
             raise
     rep = doctor(model_path=path, run_self_test=not no_self_test)
     if as_json:
-        emit_json(rep.to_json())
+        emit_json({**rep.to_json(), "rpc": _rpc_info()})
     else:
         st = rep.self_test
         click.echo(f"python            {rep.python} on {rep.platform}")
@@ -50,6 +50,8 @@ def doctor_cmd(as_json: bool, model_ref, no_self_test: bool) -> None:
                        f"{human_size(d['free_bytes'])} free of {human_size(d['total_bytes'])}{soft}")
         if gpu.get("backends") and gpu.get("note"):
             click.echo(f"  devices         none: {gpu['note']}")
+        rpc = _rpc_info()
+        click.echo(f"rpc               {'compiled in, protocol ' + rpc['protocol'] if rpc['compiled_in'] else 'not compiled in (rebuild with scripts/setup.sh)'}")
         click.echo(f"ram               {human_size(rep.ram_total_bytes)} total, {human_size(rep.ram_available_bytes)} available")
         click.echo(f"store             {rep.home} ({human_size(rep.disk_free_bytes)} free)")
         if st.ok:
@@ -62,3 +64,15 @@ def doctor_cmd(as_json: bool, model_ref, no_self_test: bool) -> None:
         if not as_json:
             click.echo(f"error: {rep.self_test.message or 'the build does not match this CPU'}", err=True)
         sys.exit(1)
+
+
+def _rpc_info() -> dict:
+    """llama.cpp's RPC backend (`edgellm worker`, `--rpc`): in this build, and which protocol it speaks."""
+    from edgellm.engine import rpc, rpc_native
+    from edgellm.errors import EdgeLLMError
+
+    try:
+        version = ".".join(map(str, rpc.local_version()))
+    except EdgeLLMError:
+        version = None
+    return {"compiled_in": rpc_native.compiled_in() and version is not None, "protocol": version}
