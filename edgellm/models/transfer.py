@@ -73,15 +73,24 @@ def _status(e: BaseException) -> Optional[int]:
     return getattr(resp, "status_code", None)
 
 
+def _is_transport_error(e: BaseException) -> bool:
+    """A connect/read/write/timeout/protocol failure of the HTTP library under huggingface_hub.
+
+    Recognised by its class hierarchy, not by importing the library: huggingface_hub
+    1.x is built on `httpx`, 2.x on `httpx2`, and both name the base `TransportError`.
+    """
+    return any(c.__name__ == "TransportError" and c.__module__.split(".")[0] in ("httpx", "httpx2")
+               for c in type(e).__mro__)
+
+
 def _retryable(e: BaseException) -> bool:
-    import httpx2
     from huggingface_hub.errors import HfHubHTTPError
 
     if isinstance(e, HfHubHTTPError):
         st = _status(e)
         return st is not None and (st >= 500 or st in (408, 429))
     # http_get's size-consistency OSError has no errno; a local disk error (ENOSPC...) has one.
-    return isinstance(e, httpx2.TransportError) or (isinstance(e, OSError) and e.errno is None)
+    return _is_transport_error(e) or (isinstance(e, OSError) and e.errno is None)
 
 
 def hub_error(e: BaseException, *, repo: str, filename: Optional[str] = None, revision: Optional[str] = None) -> EdgeLLMError:
@@ -196,6 +205,7 @@ class _SegmentWriter:
 
     def __init__(self, fh, end: int, report: Callable[[int], None], cancel: Optional[CancelToken]) -> None:
         self._fh, self._end, self._report, self._cancel = fh, end, report, cancel
+        self._start = fh.tell()
 
     def write(self, data: bytes) -> int:
         if self._fh.tell() + len(data) > self._end:
@@ -207,7 +217,12 @@ class _SegmentWriter:
             self._cancel.check()
         return n
 
-    def __getattr__(self, attr: str) -> Any:  # tell/seek/truncate for http_get's own resume logic
+    def tell(self) -> int:
+        # Bytes of this segment: huggingface_hub 1.x (to 1.2x) checks `expected_size == tell()`,
+        # so an absolute position would fail every segment after the first.
+        return self._fh.tell() - self._start
+
+    def __getattr__(self, attr: str) -> Any:  # seek/truncate for http_get's own resume logic
         return getattr(self._fh, attr)
 
 
