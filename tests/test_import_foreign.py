@@ -252,3 +252,14 @@ def test_plain_file_link(default_gguf, cli, tmp_path):
     assert Path(rec["path"]).stat().st_ino == src.stat().st_ino and rec["sha256"] == DEFAULT_SHA
     assert cli("rm", rec["name"]).exit_code == 0
     assert src.is_file()
+
+
+def test_a_bare_ollama_name_means_its_latest_tag(default_gguf, cli, tmp_path, monkeypatch):
+    root = tmp_path / "ollama"
+    ollama_store(root, default_gguf, manifests=(("registry.ollama.ai", "library", "smollm2", "latest"),
+                                                ("registry.ollama.ai", "me", "tuned", "v1")))
+    monkeypatch.setenv("OLLAMA_MODELS", str(root))
+    assert [m["name"] for m in cli("import", "--from", "ollama", "--json").json()] == ["me/tuned:v1", "smollm2:latest"]
+    res = cli("import", "--from", "ollama", "smollm2", "me/tuned:v1", "--link", "--json")
+    assert res.exit_code == 0, res
+    assert [r["name"] for r in res.json()] == ["smollm2-latest", "me-tuned-v1"]

@@ -200,7 +200,7 @@ def _import_foreign(tool: str, names: list[str], root, link: bool, name, as_json
         return
     if name and len(names) > 1:
         raise UsageError("--name needs exactly one NAME")
-    chosen = foreign.select(found, names)
+    chosen = foreign.select(tool, found, names)
     recs = []
     with running_job(not as_json) as (bar, token):
         for m in chosen:

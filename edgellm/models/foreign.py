@@ -216,14 +216,13 @@ def _hf(root: Path) -> list[ForeignModel]:
     return out
 
 
-def select(models: list[ForeignModel], wanted: list[str]) -> list[ForeignModel]:
+def select(tool: str, models: list[ForeignModel], wanted: list[str]) -> list[ForeignModel]:
     """The models named in `wanted` (the tool's name, or the store name it would get)."""
     chosen = []
     for w in wanted:
-        hits = [m for m in models if w in (m.name, m.store_name) or (m.tool == "ollama" and ":" not in w and m.name == f"{w}:latest")]
+        hits = [m for m in models if w in (m.name, m.store_name) or (tool == "ollama" and ":" not in w and m.name == f"{w}:latest")]
         if not hits:
-            tool = LABELS[models[0].tool] if models else "the tool's"
-            raise ModelNotFound(f"no model '{w}' in the {tool} store; run without a name to list them")
+            raise ModelNotFound(f"no model '{w}' in the {LABELS[tool]} store; run without a name to list them")
         chosen.extend(h for h in hits[:1] if h not in chosen)
     return chosen
 
