@@ -15,6 +15,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, Label
+from textual.widgets.data_table import RowDoesNotExist
 
 from edgellm.engine.memory import DEFAULT_CTX, estimate, fit_mark
 from edgellm.fsutil import human_size
@@ -49,7 +50,6 @@ class ModelsScreen(BaseScreen):
     def __init__(self) -> None:
         super().__init__()
         self.token = None
-        self.tables_loaded = 0  # how many times the tables were filled (tests wait on it)
 
     def compose(self) -> ComposeResult:
         yield from self.compose_nav()
@@ -103,7 +103,6 @@ class ModelsScreen(BaseScreen):
         ]
         fill(st, rows or [((Text("(empty: pull or import a model)", style="dim"), "", "", "", "", ""), "")])
         _restore(st, keep)
-        self.tables_loaded += 1
 
     def _selected(self, table_id: str) -> str:
         t = self.query_one(table_id, DataTable)
@@ -246,7 +245,7 @@ def _restore(table: DataTable, key: str) -> None:
     if key:
         try:
             table.move_cursor(row=table.get_row_index(key))
-        except Exception:  # that row is gone (deleted): the cursor stays on the first
+        except RowDoesNotExist:  # that row is gone (deleted): the cursor stays on the first
             pass
 
 
@@ -304,7 +303,7 @@ def _inspect(name: str) -> str:
         f"context length  {info.context_length:,}",
         f"vocabulary      {info.vocab_size:,}",
         f"tensors         {info.tensor_count}: {types}",
-        f"KV cache        {human_size(info.kv_cache_bytes(DEFAULT_CTX))} at ctx {DEFAULT_CTX} (f16)",
+        f"RAM             {estimate(info, ctx=DEFAULT_CTX).describe()}",
         f"chat template   {'yes' if info.has_chat_template else 'no'}",
         f"source          {rec.source or '-'}",
         f"parent          {rec.parent or '-'}",
