@@ -85,6 +85,7 @@ class QuantizeResult:
     warnings: list[str] = field(default_factory=list)
     record: Optional[ModelRecord] = None
     imatrix: Optional[dict[str, Any]] = None  # the importance matrix used (quant.imatrix.ImatrixChoice.lineage)
+    recipe: Optional[dict[str, Any]] = None  # the per-tensor recipe applied (quant/budget.py)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -106,6 +107,7 @@ class QuantizeResult:
             "sha256": self.sha256,
             "warnings": self.warnings,
             "imatrix": self.imatrix,
+            "recipe": self.recipe,
         }
 
 
@@ -119,6 +121,9 @@ def quantize(
     force: bool = False,
     jobs: Optional[int] = None,
     imatrix: Optional[str] = None,
+    tensor_types: Optional[list[list[Any]]] = None,
+    recipe: Optional[dict[str, Any]] = None,
+    label: Optional[str] = None,
     store: Optional[Store] = None,
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
@@ -140,7 +145,9 @@ def quantize(
     `imatrix` (a stored matrix's name, an imatrix GGUF file, or "auto": see
     quant.imatrix.choose_imatrix) is passed to llama.cpp as llama-quantize
     --imatrix passes it; it makes the levels that need one available and
-    names the outputs `<base>-<level>-imat`.
+    names the outputs `<base>-<level>-imat`. `tensor_types` ([[regex, ggml
+    type id], ...]) go to llama.cpp as tt_overrides (quant/budget.py's
+    recipes, recorded as `recipe`), and `label` then names the output.
 
     Raises UsageError (unknown level, no level, -o file with several levels),
     ModelNotFound, GGUFError, QuantizeError (importance matrix needed, same
@@ -172,7 +179,8 @@ def quantize(
             workers.append(Worker(events, n))
         return _quantize_all(model_ref_or_path, wanted, workers, events, output=output, nthread=nthread,
                              allow_requantize=allow_requantize, force=force, imatrix=imatrix, store=store,
-                             on_progress=on_progress, cancel=cancel)
+                             on_progress=on_progress, cancel=cancel,
+                             recipe={"tensor_types": tensor_types, "lineage": recipe, "label": label})
     finally:
         for w in workers:
             w.close()
@@ -196,10 +204,11 @@ def _quantize_all(
     nthread: int,
     allow_requantize: bool,
     force: bool,
-    imatrix: Optional[str],
+    imatrix: Any,
     store: Store,
     on_progress: ProgressCallback,
     cancel: Optional[CancelToken],
+    recipe: Optional[dict[str, Any]] = None,
 ) -> list[QuantizeResult]:
     resolved = resolve(str(model_ref_or_path), store=store)
     info = read_gguf(resolved.path)
@@ -211,14 +220,16 @@ def _quantize_all(
     if imatrix is not None:
         from quant.imatrix import choose_imatrix
 
-        choice = choose_imatrix(imatrix, resolved, store=store, on_progress=on_progress, cancel=cancel)
+        choice = imatrix if not isinstance(imatrix, str) else choose_imatrix(
+            imatrix, resolved, store=store, on_progress=on_progress, cancel=cancel)
 
     if output is not None and len(wanted) > 1:
         out = Path(output).expanduser()
         if not out.is_dir():
             raise UsageError(f"-o {output}: with several levels, -o must be an existing folder")
     suffix = "-imat" if choice is not None else ""
-    plans = [plan_output(resolved, info, lv.key + suffix, output=output, name=None, force=force, store=store)
+    label = (recipe or {}).get("label")
+    plans = [plan_output(resolved, info, label or lv.key + suffix, output=output, name=None, force=force, store=store)
              for lv in wanted]
     if len({p.path for p in plans}) != len(plans):
         raise UsageError("two levels would write the same file; give -o a folder")
@@ -240,7 +251,7 @@ def _quantize_all(
         cancel.check()
     return _run_levels(resolved, info, list(zip(wanted, plans)), workers, events, nthread=nthread,
                        allow_requantize=allow_requantize, warnings=warnings, store=store, on_progress=on_progress,
-                       cancel=cancel, imatrix=choice)
+                       cancel=cancel, imatrix=choice, recipe=recipe)
 
 
 def _fits_side_by_side(info: GGUFInfo, n: int) -> bool:
@@ -327,6 +338,7 @@ def _run_levels(
     on_progress: ProgressCallback,
     cancel: Optional[CancelToken],
     imatrix: Any = None,
+    recipe: Optional[dict[str, Any]] = None,
 ) -> list[QuantizeResult]:
     """Feed the levels to the workers; finish each one on a side thread as it completes."""
     per_level = info.tensor_count
@@ -348,6 +360,8 @@ def _run_levels(
                 "nthread": worker.threads, "allow_requantize": allow_requantize}
         if imatrix is not None:
             spec.update(imatrix=str(imatrix.path), imatrix_label=str(imatrix.path))
+        if recipe and recipe.get("tensor_types"):
+            spec["tt_overrides"] = recipe["tensor_types"]
         worker.submit(spec)
         active[worker] = job
 
@@ -391,7 +405,7 @@ def _run_levels(
                 del active[worker]
                 finishing[job.index] = finisher.submit(
                     _finish, job, resolved=resolved, info=info, nthread=nthread, warnings=warnings, store=store,
-                    cancel=cancel, imatrix=imatrix)
+                    cancel=cancel, imatrix=imatrix, recipe=(recipe or {}).get("lineage"))
                 if pending:
                     start(worker)
                 report(f"{job.level.key}: written")
@@ -428,6 +442,7 @@ def _finish(
     store: Store,
     cancel: Optional[CancelToken],
     imatrix: Any = None,
+    recipe: Optional[dict[str, Any]] = None,
 ) -> QuantizeResult:
     """Validate, hash and sync one finished temp file, rename it into place and register it."""
     lv, plan, tmp = job.level, job.plan, job.tmp
@@ -465,6 +480,8 @@ def _finish(
     extra.update(inherited_lineage(resolved))
     if imatrix is not None:
         extra["imatrix"] = imatrix.lineage()
+    if recipe is not None:
+        extra["recipe"] = recipe
     try:
         rec = register_output(store, plan, out, sha, resolved=resolved, source="quantize", extra=extra)
     except BaseException:
@@ -476,7 +493,7 @@ def _finish(
         seconds=time.perf_counter() - job.t0, quantize_seconds=run.seconds, fallbacks=dict(fallback_types),
         fallback_reason=_fallback_reason(run, n_fallback, out.tensor_count, lv), input_level=info.level,
         parent=rec.parent, sha256=sha, threads=job.threads, warnings=list(warnings), record=rec,
-        imatrix=extra.get("imatrix"),
+        imatrix=extra.get("imatrix"), recipe=extra.get("recipe"),
     )
 
 

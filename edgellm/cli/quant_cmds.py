@@ -23,10 +23,17 @@ from edgellm.cli.output import emit_json, running_job
               help="Importance matrix: a stored one (`edgellm imatrix`), an imatrix GGUF file, or auto (this model's "
                    "newest, else computed now on the shipped calibration text). Needed by iq1_*, iq2_*, iq3_xxs, "
                    "iq3_xs, q2_k_s.")
+@click.option("--budget", default=None, metavar="SIZE",
+              help="Instead of --level: the best file within SIZE (100MB, 95MiB, 4.5bpw, or ram), one type per tensor "
+                   "chosen from measured sensitivity on the calibration text. Uses --imatrix (default auto).")
+@click.option("--exclude-types", default="", metavar="LIST", help="Types --budget may not use (comma-separated, e.g. q4_1).")
+@click.option("--recipe", "recipe_file", type=click.Path(path_type=Path), default=None,
+              help="Instead of --level: apply a saved --budget recipe (JSON) to a model of the same architecture.")
 @click.option("--force", is_flag=True, help="Replace an existing output of the same name.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output: a list, one object per level.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, imatrix, force, as_json, no_progress) -> None:
+def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, imatrix, budget, exclude_types, recipe_file,
+                 force, as_json, no_progress) -> None:
     """Quantize MODEL (an F32/F16/BF16 GGUF: store name or path) with llama.cpp.
 
     Each level is written to a temporary file beside its target and renamed
@@ -38,9 +45,28 @@ def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, imatrix
       edgellm quantize smollm2-135m-instruct-f16 --level q4_k_m
       edgellm quantize smollm2-135m-instruct-f16 -l q4_0 -l q8_0 --json
       edgellm quantize smollm2-135m-instruct-f16 -l q4_k_m -l iq2_xs --imatrix auto
+      edgellm quantize smollm2-135m-instruct-f16 --budget 90MB --exclude-types q4_1
     """
     from quant.quantize import describe, quantize
 
+    if budget is not None or recipe_file is not None:
+        from edgellm.errors import UsageError
+        from quant.budget import quantize_to_budget
+
+        if levels:
+            raise UsageError("--budget and --recipe choose the types themselves; drop --level")
+        with running_job(not no_progress and not as_json) as (bar, token):
+            r, recipe = quantize_to_budget(model, budget=budget, recipe_file=recipe_file,
+                                           exclude=exclude_types.split(","), imatrix=imatrix, output=output,
+                                           threads=threads, force=force, on_progress=bar, cancel=token)
+        if as_json:
+            emit_json([{**r.to_json(), "search_seconds": recipe.get("search_seconds", 0.0),
+                        "recipe_file": recipe.get("file")}])
+            return
+        click.echo(describe(r))
+        click.echo(f"  recipe: {recipe.get('file')} (search {recipe.get('search_seconds', 0.0):.1f} s, "
+                   f"quantization {r.quantize_seconds:.1f} s)")
+        return
     wanted = [part.strip() for text in levels for part in text.split(",") if part.strip()]
     with running_job(not no_progress and not as_json) as (bar, token):
         results = quantize(model, wanted, output=output, threads=threads, jobs=jobs, allow_requantize=allow_requantize,

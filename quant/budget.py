@@ -1,0 +1,355 @@
+"""`quantize --budget SIZE`: one type per tensor, chosen for a size, from measured sensitivity.
+
+The measurement: for every weight matrix and every candidate type, llama.cpp's
+own quantizer (`ggml_quantize_chunk`, with the importance matrix exactly as
+llama_model_quantize passes it) rounds a sample of the matrix's rows, ggml's
+`to_float` reads them back, and the error is weighted by the importance
+matrix: sum over columns of E[x_c^2] * sum over rows of (w - q(w))^2 -- the
+expected squared error that tensor adds to its matmul's output on the
+calibration text. The importance matrix comes from the calibration text (the
+shipped one unless `--imatrix` names another), never from an evaluation text.
+The tied/untied output matrix, which no imatrix entry covers, is weighted
+with the mean importance of the layers' attention inputs (its own input is the
+same normed hidden state).
+
+The choice: start every matrix at its cheapest candidate, then repeatedly
+give the byte to the upgrade with the best error saved per byte (along each
+matrix's lower convex hull) until the next one would pass the budget. Sizes
+are exact: rows x ggml_row_size(type, cols), as llama.cpp's dry run counts
+them, plus the input's metadata and the alignment padding.
+
+The result is a recipe (tensor-name regex -> type) that llama_model_quantize
+applies through `tt_overrides`, the same thing llama-quantize's
+`--tensor-type-file` reads (the recipe's `.txt` twin). Candidate types are
+those whose block divides the row width, so llama.cpp never falls back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from edgellm.errors import QuantizeError, UsageError
+
+# ggml_type ids of the pinned ggml.h, and their block widths
+TYPES: dict[str, tuple[int, int]] = {
+    "Q2_K": (10, 256), "Q3_K": (11, 256), "IQ4_XS": (23, 256), "Q4_K": (12, 256), "Q5_K": (13, 256), "Q6_K": (14, 256),
+    "Q4_0": (2, 32), "Q4_1": (3, 32), "Q5_0": (6, 32), "Q5_1": (7, 32), "IQ4_NL": (20, 32), "Q8_0": (8, 32),
+}
+SAMPLE_ROWS = 256
+FILE_TYPE = "q4_k_m"  # the file type llama.cpp records; every quantized tensor is overridden anyway
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+@dataclass
+class Budget:
+    bytes: int
+    text: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "text": self.text}
+
+
+def parse_budget(text: str, info: Any, *, ctx: int = 4096) -> Budget:
+    """`100MB`, `95.5MiB`, `4.5bpw` (bits per weight over the whole file), or `ram` (what this machine
+    can hold beside a `ctx`-token KV cache and 512 MiB for the runtime)."""
+    t = text.strip().lower().replace(" ", "")
+    if t == "ram":
+        import psutil
+
+        kv_dim = info.embedding_length // max(1, info.head_count) * max(1, info.head_count_kv or info.head_count)
+        kv = 2 * info.block_count * kv_dim * 2 * min(ctx, info.context_length or ctx)
+        n = int(psutil.virtual_memory().available - kv - (512 << 20))
+        return Budget(n, f"ram ({n / 1e6:.1f} MB free for weights beside a {ctx}-token KV cache)")
+    if m := re.fullmatch(r"(\d+(?:\.\d+)?)bpw", t):
+        return Budget(int(float(m.group(1)) * info.parameters / 8), text)
+    if m := re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]i?b|b)?", t):
+        return Budget(int(float(m.group(1)) * _UNITS[m.group(2) or ""]), text)
+    raise UsageError(f"--budget {text!r}: give a size (100MB, 95MiB), bits per weight (4.5bpw) or ram")
+
+
+def _ggml() -> Any:
+    from quant.imatrix import _GGML
+
+    lib = _GGML().lib
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_void_p]
+    lib.ggml_row_size.restype = ctypes.c_size_t
+    lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+
+    class Traits(ctypes.Structure):
+        _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64), ("blck_size_interleave", ctypes.c_int64),
+                    ("type_size", ctypes.c_size_t), ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
+                    ("from_float_ref", ctypes.c_void_p)]
+
+    lib.ggml_get_type_traits.restype = ctypes.POINTER(Traits)
+    lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
+    return lib
+
+
+_TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+
+@dataclass
+class Matrix:
+    name: str
+    rows: int
+    cols: int
+    options: list[tuple[str, int, float]]  # (type, bytes, weighted error), cheapest first
+
+
+def measure(model_path: Path, imatrix: Any, types: Sequence[str], *, cancel: Any = None,
+            on_progress: Any = None) -> tuple[list[Matrix], int]:
+    """Every quantizable matrix's (type, bytes, error) options; and the bytes of the tensors kept as they are."""
+    from edgellm.gguf.layout import read_layout
+    from edgellm.progress import Progress
+
+    lib = _ggml()
+    parsed = read_layout(model_path)
+    entries = {n: e.normalized().astype(np.float32) for n, e in imatrix.entries.items()}
+    attn_in = [v for n, v in entries.items() if n.endswith("attn_q.weight")]
+    out_imp = np.mean(attn_in, axis=0).astype(np.float32) if attn_in else None
+    raw = np.memmap(model_path, np.uint8, mode="r")
+    dtypes = {"F16": np.float16, "F32": np.float32}
+    mats, kept = [], 0
+    todo = [t for t in parsed.tensors if len(t.shape) == 2 and t.name.endswith(".weight") and t.type_name in dtypes]
+    for t in parsed.tensors:
+        if t not in todo:
+            kept += t.n_bytes
+    for i, t in enumerate(todo):
+        if cancel is not None:
+            cancel.check()
+        cols, rows = t.shape
+        data = np.frombuffer(raw[t.data_offset:t.data_offset + t.n_bytes], dtypes[t.type_name]).reshape(rows, cols)
+        pick = np.unique(np.linspace(0, rows - 1, min(rows, SAMPLE_ROWS)).astype(np.int64))
+        src = np.ascontiguousarray(data[pick], np.float32)
+        imp = entries.get(t.name)
+        weight = imp if imp is not None else (out_imp if out_imp is not None and out_imp.size == cols else None)
+        options = []
+        for name in types:
+            tid, blk = TYPES[name]
+            if cols % blk:
+                continue
+            row_bytes = lib.ggml_row_size(tid, cols)
+            dst = np.empty(row_bytes * len(pick), np.uint8)
+            imp_ptr = imp.ctypes.data if imp is not None else None
+            lib.ggml_quantize_chunk(tid, src.ctypes.data, dst.ctypes.data, 0, len(pick), cols, imp_ptr)
+            back = np.empty_like(src)
+            _TO_FLOAT(lib.ggml_get_type_traits(tid).contents.to_float)(dst.ctypes.data, back.ctypes.data, src.size)
+            d2 = np.square(src - back, dtype=np.float64)
+            err = float((d2 * weight).sum() if weight is not None else d2.sum()) * rows / len(pick)
+            options.append((name, rows * row_bytes, err))
+        if not options:
+            kept += t.n_bytes
+            continue
+        options.sort(key=lambda o: (o[1], o[2]))
+        mats.append(Matrix(t.name, rows, cols, options))
+        if on_progress is not None:
+            on_progress(Progress("measure tensor sensitivity", i + 1, len(todo), "tensor", message=t.name))
+    return mats, kept
+
+
+def _hull(options: list[tuple[str, int, float]]) -> list[tuple[str, int, float]]:
+    """The options on the lower convex hull of (bytes, error): the only ones a per-byte greedy should visit."""
+    pts: list[tuple[str, int, float]] = []
+    for o in options:
+        if pts and o[2] >= pts[-1][2]:
+            continue  # more bytes, no less error
+        while len(pts) >= 2:
+            (_, b1, e1), (_, b2, e2) = pts[-2], pts[-1]
+            if (e1 - e2) * (o[1] - b2) <= (e2 - o[2]) * (b2 - b1):
+                pts.pop()  # the middle point is above the line: skipping it saves more per byte
+            else:
+                break
+        pts.append(o)
+    return pts
+
+
+def allocate(mats: list[Matrix], limit: int) -> tuple[dict[str, str], int]:
+    """Greedy by error saved per byte along each hull, within `limit` bytes for the matrices."""
+    hulls = {m.name: _hull(m.options) for m in mats}
+    level = {n: 0 for n in hulls}
+    used = sum(h[0][1] for h in hulls.values())
+    if used > limit:
+        raise QuantizeError("budget below the smallest file")  # caught and reworded by the caller
+    heap = []
+    for n, h in hulls.items():
+        if len(h) > 1:
+            heapq.heappush(heap, (-(h[0][2] - h[1][2]) / (h[1][1] - h[0][1]), n))
+    while heap:
+        _gain, n = heapq.heappop(heap)
+        h, k = hulls[n], level[n]
+        extra = h[k + 1][1] - h[k][1]
+        if used + extra > limit:
+            continue  # this upgrade does not fit; cheaper ones of other matrices may
+        used += extra
+        level[n] = k + 1
+        if k + 2 < len(h):
+            heapq.heappush(heap, (-(h[k + 1][2] - h[k + 2][2]) / (h[k + 2][1] - h[k + 1][1]), n))
+    return {n: hulls[n][level[n]][0] for n in hulls}, used
+
+
+def plan(model_path: Path, info: Any, imatrix: Any, budget: Budget, *, exclude: Sequence[str] = (),
+         cancel: Any = None, on_progress: Any = None) -> dict[str, Any]:
+    """The recipe for `budget`: measured, allocated, with its exact predicted size and the search cost."""
+    t0 = time.perf_counter()
+    excl = {e.strip().upper() for e in exclude if e.strip()}
+    unknown = excl - set(TYPES) - {"F16", "F32", "BF16"}
+    if unknown:
+        raise UsageError(f"--exclude-types: unknown type(s) {', '.join(sorted(unknown))} (known: {', '.join(TYPES)})")
+    types = [t for t in TYPES if t not in excl]
+    if not types:
+        raise UsageError("--exclude-types leaves no type to choose from")
+    mats, kept = measure(model_path, imatrix, types, cancel=cancel, on_progress=on_progress)
+    overhead = max(0, info.size_bytes - info.tensor_bytes) + 4096 + 32 * info.tensor_count
+    smallest = overhead + kept + sum(min(o[1] for o in m.options) for m in mats)
+    if budget.bytes < smallest:
+        raise QuantizeError(
+            f"--budget {budget.text} ({budget.bytes / 1e6:.1f} MB) is below the smallest file these types allow: "
+            f"{smallest / 1e6:.1f} MB ({smallest} bytes)" + (f" with {', '.join(sorted(excl))} excluded" if excl else "")
+        )
+    choice, used = allocate(mats, budget.bytes - overhead - kept)
+    recipe = [(f"^{re.escape(m.name)}$", choice[m.name]) for m in mats]
+    return {
+        "architecture": info.architecture, "block_count": info.block_count, "file_type": FILE_TYPE,
+        "budget": budget.to_json(), "excluded_types": sorted(excl), "predicted_bytes": overhead + kept + used,
+        "smallest_bytes": smallest, "tensor_types": recipe,
+        "type_counts": {t: sum(1 for v in choice.values() if v == t) for t in sorted(set(choice.values()))},
+        "search_seconds": round(time.perf_counter() - t0, 3), "measure": "imatrix-weighted squared error",
+    }
+
+
+def load_recipe(path: Path | str) -> dict[str, Any]:
+    p = Path(path).expanduser()
+    try:
+        r = json.loads(p.read_text(encoding="utf-8"))
+        pairs = [(str(a), str(b).upper()) for a, b in r["tensor_types"]]
+        str(r["architecture"])
+    except FileNotFoundError:
+        raise UsageError(f"{p}: no such recipe file") from None
+    except (ValueError, KeyError, TypeError, OSError):
+        raise QuantizeError(f"{p.name}: not an edgellm recipe (JSON with architecture and tensor_types)") from None
+    r["tensor_types"] = pairs
+    r["file"] = str(p)
+    return r
+
+
+def check_recipe(recipe: dict[str, Any], model_path: Path, info: Any, label: str) -> None:
+    """A recipe applies to a model of its architecture whose every matrix it names exists and fits the type."""
+    from quant.imatrix_file import model_matmul_widths
+
+    if recipe["architecture"] != info.architecture:
+        raise QuantizeError(f"the recipe {Path(recipe['file']).name} is for {recipe['architecture']} models; "
+                            f"{label} is {info.architecture or 'unknown'}")
+    _arch, widths = model_matmul_widths(model_path)
+    for pattern, tname in recipe["tensor_types"]:
+        if tname not in TYPES:
+            raise QuantizeError(f"the recipe names an unknown type {tname}")
+        rx = re.compile(pattern)
+        hit = [n for n in widths if rx.search(n)]
+        if not hit:
+            raise QuantizeError(f"the recipe's pattern {pattern} matches no tensor of {label}: it was made for "
+                                "another model layout")
+        bad = [n for n in hit if widths[n][0] % TYPES[tname][1]]
+        if bad:
+            raise QuantizeError(f"the recipe puts {bad[0]} ({widths[bad[0]][0]} wide) in {tname}, whose blocks do not fit")
+
+
+def tt_overrides(recipe_pairs: Sequence[tuple[str, str]]) -> list[list[Any]]:
+    return [[p, TYPES[t][0]] for p, t in recipe_pairs]
+
+
+def llama_quantize_text(recipe_pairs: Sequence[tuple[str, str]]) -> str:
+    """The same recipe for llama-quantize --tensor-type-file (pattern=type, one per line)."""
+    return "".join(f"{p}={t.lower()}\n" for p, t in recipe_pairs)
+
+
+def quantize_to_budget(
+    model: str | Path,
+    *,
+    budget: Optional[str] = None,
+    recipe_file: Optional[str | Path] = None,
+    exclude: Sequence[str] = (),
+    imatrix: Optional[str] = None,
+    output: Optional[Path] = None,
+    threads: Optional[int] = None,
+    force: bool = False,
+    store: Any = None,
+    on_progress: Any = None,
+    cancel: Any = None,
+) -> tuple[Any, dict[str, Any]]:
+    """`--budget SIZE` (search, then quantize) or `--recipe FILE` (quantize with a saved recipe).
+
+    Returns (QuantizeResult, recipe); the recipe carries `search_seconds`
+    (measurement and allocation) apart from the result's quantization time.
+    """
+    from edgellm import paths
+    from edgellm.fsutil import atomic_write_text
+    from edgellm.gguf.reader import read_gguf
+    from edgellm.models.resolve import resolve
+    from edgellm.models.store import Store
+    from edgellm.progress import no_progress
+    from quant._common import base_name
+    from quant.imatrix import choose_imatrix
+    from quant.quantize import is_quantized, quantize
+
+    on_progress = on_progress or no_progress
+    if (budget is None) == (recipe_file is None):
+        raise UsageError("give exactly one of --budget SIZE or --recipe FILE")
+    store = store or Store()
+    resolved = resolve(str(model), store=store)
+    info = read_gguf(resolved.path)
+    if is_quantized(info):
+        raise QuantizeError(f"--budget and --recipe start from an F16/BF16/F32 file; {resolved.label} is {info.level} "
+                            f"(`edgellm convert {resolved.label} --to f16` first)")
+    written: list[Path] = []
+    choice = None
+    if recipe_file is not None:
+        recipe = load_recipe(recipe_file)
+        check_recipe(recipe, resolved.path, info, resolved.label)
+        label = "recipe-" + re.sub(r"[^a-z0-9._+-]", "-", Path(recipe_file).stem.lower())[:40]
+        lineage = {"file": recipe["file"], "made_for": recipe.get("model"), "tensors": len(recipe["tensor_types"])}
+        recipe["search_seconds"] = 0.0
+    else:
+        b = parse_budget(budget or "", info)
+        if b.bytes <= 0:
+            raise QuantizeError(f"--budget {budget}: nothing is left for the weights ({b.text})")
+        # an imatrix first: the search measures with it and the quantization uses it
+        choice_early = choose_imatrix(imatrix or "auto", resolved, store=store, on_progress=on_progress, cancel=cancel)
+        recipe = plan(resolved.path, info, choice_early.matrix, b, exclude=exclude, cancel=cancel, on_progress=on_progress)
+        recipe.update(model=resolved.label, imatrix=choice_early.lineage())
+        label = "budget-" + re.sub(r"[^a-z0-9.]", "", (budget or "").lower())
+        folder = paths.home() / "recipes"
+        jpath = folder / f"{base_name(resolved, info)}-{label}.json"
+        atomic_write_text(jpath, json.dumps(recipe, indent=1) + "\n")
+        atomic_write_text(jpath.with_suffix(".txt"), llama_quantize_text(recipe["tensor_types"]))
+        written += [jpath, jpath.with_suffix(".txt")]
+        recipe["file"] = str(jpath)
+        lineage = {k: recipe[k] for k in ("file", "budget", "excluded_types", "predicted_bytes", "type_counts",
+                                           "search_seconds")}
+        choice = choice_early
+    try:
+        if choice is None and imatrix is not None:
+            choice = choose_imatrix(imatrix, resolved, store=store, on_progress=on_progress, cancel=cancel)
+        results = quantize(resolved.record.name if resolved.record is not None else resolved.path, [FILE_TYPE],
+                           output=output, threads=threads, force=force, imatrix=choice,  # type: ignore[arg-type]
+                           tensor_types=tt_overrides(recipe["tensor_types"]), recipe=lineage, label=label, store=store,
+                           on_progress=on_progress, cancel=cancel)
+    except BaseException:
+        for p in written:
+            p.unlink(missing_ok=True)
+        raise
+    res = results[0]
+    if budget is not None and res.size_bytes > parse_budget(budget, info).bytes:
+        store.remove(res.name)  # cannot happen with exact sizes; never leave a file over the budget
+        raise QuantizeError(f"the file came out at {res.size_bytes} bytes, over the budget; nothing was kept")
+    return res, recipe
