@@ -129,12 +129,19 @@ def test_f5_from_the_chat_box_switches_to_bench_and_types_nothing(default_model)
             await pilot.pause()
             return shown, box.value, app.focused is box, nav_before, bench_nav
 
+    async def nav_at_80_columns():
+        app = make(initial="chat")
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            return screen_text(app).splitlines()[0]
+
     shown, value, refocused, nav_before, bench_nav = asyncio.run(run())
+    narrow = asyncio.run(nav_at_80_columns())
     assert shown == "BenchScreen"
     assert value == "hi 5"  # F5 switched screens and reached the box neither as text nor as a key
     assert refocused
     # the keys are on screen, on every screen
-    for nav in (nav_before, bench_nav):
+    for nav in (nav_before, bench_nav, narrow):
         assert all(f"F{i} {label}" in nav for i, label in enumerate(["Models", "Quantize", "Evaluate", "Chat", "Bench", "System"], 1)), nav
         assert "^q Quit" in nav
 

@@ -22,7 +22,7 @@ class NavBar(Static):
         self.screens = tuple(screens)
 
     def render(self) -> Text:
-        out = Text(" edgellm ", style="bold")
+        out = Text()
         for mode in self.screens:
             key = key_label(mode.key)
             if mode.name == self.current:
@@ -32,4 +32,6 @@ class NavBar(Static):
                 out.append(f" {mode.label} ")
         out.append(f"  {key_label(QUIT_KEY)}", style="bold")
         out.append(" Quit")
-        return out
+        # the app's name only where it leaves every key on screen (not at 80 columns)
+        title = Text(" edgellm ", style="bold")
+        return title + out if title.cell_len + out.cell_len <= self.size.width else out
