@@ -28,6 +28,8 @@ async def shoot(out: Path) -> None:
     async with app.run_test(size=(100, 30)) as pilot:
         async def save(name: str) -> None:
             await pilot.pause(0.3)
+            await app.workers.wait_for_complete()  # the screens load their tables in workers
+            await pilot.pause(0.2)
             svg = out / f"{name}.svg"
             app.save_screenshot(filename=svg.name, path=str(out))
             cairosvg.svg2png(url=str(svg), write_to=str(out / f"{name}.png"), output_width=1400)
