@@ -16,26 +16,17 @@ import os
 from pathlib import Path
 
 import pytest
-from support.helpers import DEFAULT_REF, WIKITEXT, CliResult, llama_tools_dir, register_default, run_cli
+from support.helpers import DEFAULT_REF, WIKITEXT, CliResult, llama_tools_dir, register_default, run_cli, shared_cache
 
 # The F16 of the default model, converted once per session (test_convert, test_quantize).
 pytest_plugins = ["support.quant_fixtures"]
-
-
-def _shared_cache() -> Path:
-    env = os.environ.get("EDGELLM_CACHE")
-    if env:
-        return Path(env)
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("edgellm", appauthor=False))
 
 
 @pytest.fixture(autouse=True)
 def edgellm_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "edgellm-home"
     monkeypatch.setenv("EDGELLM_HOME", str(home))
-    monkeypatch.setenv("EDGELLM_CACHE", str(_shared_cache()))
+    monkeypatch.setenv("EDGELLM_CACHE", str(shared_cache()))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     for var in ("HF_HUB_OFFLINE", "EDGELLM_OFFLINE", "HF_TOKEN", "HF_ENDPOINT", "EDGELLM_SELFTEST_CRASH", "EDGELLM_FAKE_FREE_BYTES"):
         monkeypatch.delenv(var, raising=False)
@@ -46,7 +37,7 @@ def edgellm_home(tmp_path, monkeypatch) -> Path:
 def default_gguf(tmp_path_factory) -> Path:
     """Path to the real default model (SmolLM2-135M-Instruct Q4_1), pulled once."""
     home = tmp_path_factory.mktemp("session-home")
-    env = dict(os.environ, EDGELLM_HOME=str(home), EDGELLM_CACHE=str(_shared_cache()))
+    env = dict(os.environ, EDGELLM_HOME=str(home), EDGELLM_CACHE=str(shared_cache()))
     res = run_cli("pull", DEFAULT_REF, "--json", "--no-progress", env=env, timeout=900)
     assert res.exit_code == 0, f"pulling the default model failed: {res.stderr}"
     path = Path(res.json()["path"])

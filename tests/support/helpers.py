@@ -31,6 +31,16 @@ DEFAULT_SIZE = DEFAULT_ENTRY.package.size_bytes
 DEFAULT_SOURCE = f"{DEFAULT_ENTRY.package.index}:{DEFAULT_ENTRY.package.requirement}"  # ModelRecord.source
 
 
+def shared_cache() -> Path:
+    """The machine's download cache (EDGELLM_CACHE), shared by every test's own EDGELLM_HOME."""
+    env = os.environ.get("EDGELLM_CACHE")
+    if env:
+        return Path(env)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("edgellm", appauthor=False))
+
+
 class CliResult:
     def __init__(self, exit_code: int, stdout: str, stderr: str) -> None:
         self.exit_code, self.stdout, self.stderr = exit_code, stdout, stderr
