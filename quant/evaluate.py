@@ -291,6 +291,11 @@ def evaluate(
         if ti.vocab_size and info.vocab_size and ti.vocab_size != info.vocab_size:
             raise EvalError(f"{t.name} has a vocabulary of {ti.vocab_size} tokens, the base {base.label} {info.vocab_size}: "
                             "KL divergence needs the same vocabulary")
+    from quant.imatrix import calibration_warnings
+
+    for w in calibration_warnings([t.name for t in targets], src.sha256, store):
+        warnings.append(w)
+        log.warning("%s", w)
 
     n_scored = plan.n_chunk * plan.n_scored_per_chunk
     meta_key = {"base": _file_key(base.path), "text": src.sha256, "ctx": ctx, "chunks": plan.n_chunk, "k": topk, "m": tail_samples}

@@ -520,3 +520,20 @@ def describe(rec: ImatrixRecord) -> str:
 
 __all__ = ["compute_imatrix", "choose_imatrix", "list_imatrices", "get_imatrix", "calibration_text", "Collector",
            "ImatrixRecord", "ImatrixChoice", "describe", "QuantizeError"]
+
+
+def calibration_warnings(names: list[str], text_sha256: str, store: Any) -> list[str]:
+    """For `eval`: the models among `names` whose importance matrix (or whose --budget recipe's
+    matrix) was computed on the very text being evaluated, so their scores flatter them."""
+    out = []
+    for n in names:
+        rec = store.find(n)
+        if rec is None:
+            continue
+        for what, lineage in (("importance matrix", rec.extra.get("imatrix")),
+                              ("recipe's importance matrix", (rec.extra.get("recipe") or {}).get("imatrix"))):
+            if isinstance(lineage, dict) and lineage.get("text_sha256") == text_sha256:
+                out.append(f"{n}: its {what} was computed on this evaluation text ({lineage.get('text')}, sha256 "
+                           f"{text_sha256[:12]}...): its scores are optimistic; evaluate on another text")
+                break
+    return out
