@@ -331,7 +331,7 @@ def test_models_load_on_demand_with_lru_eviction(server, client):
 def test_sigterm_cancels_in_flight_stream_and_exits_cleanly(tmp_path, default_gguf):
     home = tmp_path / "home"
     _register(home, default_gguf, DEFAULT_NAME)
-    proc, url = _start(home, DEFAULT_NAME, "--ctx", "512", "--threads", "1")
+    proc, url = _start(home, DEFAULT_NAME, "--ctx", "512", "--threads", "1", "--parallel", "1")
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         stream = c.completions.create(
@@ -373,3 +373,196 @@ def test_cli_errors_are_one_line(cli, default_model):
         res = cli("serve", DEFAULT_NAME, "--port", str(s.getsockname()[1]))
     assert_one_line_error(res)
     assert "cannot listen" in res.stderr
+
+
+# -- continuous batching: a second server with 4 slots ---------------------------------
+
+PAR = 4
+PAR_CTX = 8192  # 2,048 tokens per slot: room for a 1,000-token system prompt
+QUESTIONS = ["Write a sentence about the sea.", "What is 2+2?", "Name three colors.", "Tell me about cats.",
+             "Why is the sky blue?", "Count to five.", "What is Python?", "Describe a tree.", "Give me a fruit.",
+             "What is rain?"]
+
+
+@pytest.fixture(scope="module")
+def batching(tmp_path_factory, default_gguf):
+    home = tmp_path_factory.mktemp("serve-par-home")
+    _register(home, default_gguf, DEFAULT_NAME)
+    proc, url = _start(home, DEFAULT_NAME, "--parallel", str(PAR), "--ctx", str(PAR_CTX), "--threads", "1", "--queue", "64")
+    yield proc, url
+    _stop(proc)
+    err = proc.stderr.read()
+    assert proc.returncode == 0, err
+    assert f"{PAR} parallel slots" in err and f"up to {PAR_CTX // PAR} tokens per request" in err, err
+    assert "Traceback" not in err, err
+
+
+def _par_client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _ask(c: openai.OpenAI, q: str, max_tokens: int = 24, **kw):
+    return c.chat.completions.create(model=DEFAULT_NAME, messages=[{"role": "user", "content": q}], max_tokens=max_tokens,
+                                     temperature=0, **kw)
+
+
+def _metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/plain")
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _concurrently(fns: list) -> list:
+    results: list = [None] * len(fns)
+
+    def run(i):
+        try:
+            results[i] = fns[i]()
+        except Exception as e:  # surfaced by the caller's asserts
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results
+
+
+def test_batched_replies_equal_one_at_a_time(batching):
+    _, url = batching
+    c = _par_client(url)
+    alone = [_ask(c, q).choices[0].message.content for q in QUESTIONS]
+    before = _metrics(url)
+    batched = _concurrently([lambda q=q: _ask(c, q) for q in QUESTIONS])
+    same = sum(1 for a, r in zip(alone, batched) if not isinstance(r, Exception) and r.choices[0].message.content == a)
+    print(f"temperature 0: {same}/10 batched replies equal the one-at-a-time replies")
+    assert same >= 9, [(a, getattr(r, "choices", r)) for a, r in zip(alone, batched)]
+    # They really ran together: more than one sequence decoded per step on average.
+    m = _metrics(url)
+    key = f'edgellm_generated_tokens_total{{model="{DEFAULT_NAME}"}}'
+    assert m[key] - before[key] == sum(r.usage.completion_tokens for r in batched)
+
+
+def test_shared_system_prompt_is_served_from_the_prefix_cache(batching):
+    _, url = batching
+    c = _par_client(url)
+    system = " ".join(f"Rule {i}: when asked about topic {i}, answer in one short, polite sentence." for i in range(60))
+    rs = [c.chat.completions.create(model=DEFAULT_NAME, max_tokens=4, temperature=0,
+                                    messages=[{"role": "system", "content": system}, {"role": "user", "content": q}])
+          for q in QUESTIONS[:8]]
+    assert rs[0].usage.prompt_tokens > 1000
+    first_ms = rs[0].model_extra["timings"]["prompt_ms"]
+    for r in rs[1:]:
+        assert r.usage.prompt_tokens_details.cached_tokens >= 1000, r.usage
+        assert r.model_extra["timings"]["prompt_ms"] <= 0.2 * first_ms, (r.model_extra["timings"], first_ms)
+    m = _metrics(url)
+    assert m[f'edgellm_prefix_cache_hits_total{{model="{DEFAULT_NAME}"}}'] >= 7
+    assert m[f'edgellm_cached_prompt_tokens_total{{model="{DEFAULT_NAME}"}}'] >= 7000
+
+
+def _stream_text(c: openai.OpenAI, q: str, max_tokens: int, stop_after: int | None = None, on_stop=None) -> str:
+    stream = _ask(c, q, max_tokens=max_tokens, stream=True)
+    pieces = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+            if stop_after is not None and len(pieces) >= stop_after:
+                stream.close()  # the client hangs up mid-stream
+                on_stop()
+                break
+    return "".join(pieces)
+
+
+def test_client_killed_mid_stream_frees_its_sequence_others_unchanged(batching):
+    _, url = batching
+    c = _par_client(url)
+    a, b, k = "Tell me a long story about a dragon.", "Describe the ocean in detail.", "Write a long poem about trees."
+    reference = _concurrently([lambda: _stream_text(c, a, 64), lambda: _stream_text(c, b, 64)])
+    active = f'edgellm_active_sequences{{model="{DEFAULT_NAME}"}}'
+    freed: dict = {}
+
+    def on_stop():
+        t0 = time.monotonic()
+        while _metrics(url)[active] > 2 and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        freed["seconds"] = time.monotonic() - t0
+        freed["active"] = _metrics(url)[active]
+
+    texts = _concurrently([lambda: _stream_text(c, a, 64), lambda: _stream_text(c, b, 64),
+                           lambda: _stream_text(c, k, 200, stop_after=3, on_stop=on_stop)])
+    assert freed["active"] <= 2 and freed["seconds"] < 2, freed  # the others were still running: freed at the next step
+    assert texts[:2] == reference, (texts, reference)
+    _wait_for(lambda: _metrics(url)[active] == 0, "every sequence to finish")
+
+
+def _bad_requests(url: str) -> list[tuple[str, bytes, int]]:
+    """(what, body, expected status) for each kind of bad request."""
+    long_prompt = "word " * (PAR_CTX // PAR + 100)
+    chat = lambda **kw: json.dumps({"model": DEFAULT_NAME, "messages": [{"role": "user", "content": "Hi"}], **kw}).encode()
+    return [
+        ("invalid JSON", b'{"model": "x", "messages": [', 400),
+        ("unknown model", json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "Hi"}]}).encode(), 404),
+        ("max_tokens beyond the context", chat(max_tokens=PAR_CTX), 400),
+        ("invalid schema", chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}), 400),
+        ("prompt longer than the context", json.dumps({"model": DEFAULT_NAME, "prompt": long_prompt, "max_tokens": 1}).encode(), 400),
+        ("10 MB body", b'{"prompt": "' + b"x" * (10 * 1024 * 1024) + b'"}', 413),
+    ]
+
+
+def _mixed_round(url: str, n: int, reference: dict) -> list[str]:
+    """n requests, every third one bad, eight at a time; returns what went wrong."""
+    bad = _bad_requests(url)
+    jobs = []
+    for i in range(n):
+        if i % 3 == 2:
+            what, body, status = bad[(i // 3) % len(bad)]
+            path = "/v1/completions" if b'"prompt"' in body[:20] or b'"prompt":' in body else "/v1/chat/completions"
+            jobs.append((what, path, body, status))
+        else:
+            q = QUESTIONS[i % 4]
+            jobs.append((q, "/v1/chat/completions", json.dumps({"model": DEFAULT_NAME, "messages": [{"role": "user", "content": q}],
+                                                                "max_tokens": 8, "temperature": 0}).encode(), 200))
+    problems: list[str] = []
+
+    def one(job):
+        what, path, body, status = job
+        try:
+            got, _, reply = _raw(url, path, body)
+        except Exception as e:
+            problems.append(f"{what}: {type(e).__name__}: {e}")
+            return
+        if got != status:
+            problems.append(f"{what}: status {got}, expected {status}: {reply}")
+        elif status == 200:
+            text = reply["choices"][0]["message"]["content"]
+            if reference.setdefault(what, text) != text:
+                problems.append(f"{what}: {text!r} != {reference[what]!r}")
+        else:
+            try:
+                _assert_error_body(reply)
+            except AssertionError as e:
+                problems.append(f"{what}: {e}")
+
+    for start in range(0, n, 8):
+        _concurrently([lambda j=j: one(j) for j in jobs[start:start + 8]])
+    return problems
+
+
+def test_mixed_valid_and_bad_requests_keep_answers_and_memory(batching):
+    """A bounded slice of the 200-request run (scripts/load_test_server.py --mixed 200 does the full one)."""
+    import psutil
+
+    proc, url = batching
+    reference: dict = {}
+    assert _mixed_round(url, 24, reference) == []  # warm-up: every kind once, the model loaded, caches filled
+    rss0 = psutil.Process(proc.pid).memory_info().rss
+    assert _mixed_round(url, 48, reference) == []
+    rss1 = psutil.Process(proc.pid).memory_info().rss
+    assert abs(rss1 - rss0) / rss0 <= 0.05, (rss0, rss1)

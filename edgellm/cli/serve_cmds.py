@@ -14,7 +14,7 @@ from edgellm.cli.worker_cmds import prepare_rpc, rpc_options
 @click.option("--api-key", default=None, envvar="EDGELLM_API_KEY", help="Require 'Authorization: Bearer KEY' (env: EDGELLM_API_KEY).")
 @click.option("--max-loaded", default=1, show_default=True, type=click.IntRange(1, 64), help="Models kept in memory at once (least recently used is unloaded).")
 @click.option("--queue", "queue_size", default=16, show_default=True, type=click.IntRange(1, 100000), help="Requests waiting per model; more get 429 with Retry-After.")
-@click.option("--ctx", "n_ctx", default=None, type=click.IntRange(64, 1 << 20), help="Context size per model [default: the model's, at most 4096].")
+@click.option("--ctx", "n_ctx", default=None, type=click.IntRange(64, 1 << 20), help="KV cells per model, split between the --parallel slots (each request gets CTX/parallel) [default: 1024 per slot, at least 4096].")
 @click.option("--parallel", default=None, type=click.IntRange(1, 64), help="Requests decoded together per model (continuous batching) [default: physical cores, 4 to 8].")
 @click.option("--threads", "n_threads", default=None, type=click.IntRange(1, 1024), help="CPU threads per model [default: physical cores].")
 @click.option("--access-log", is_flag=True, help="Log every request on stderr.")

@@ -9,12 +9,18 @@ remaining room filled with prompt chunks of newcomers (a chunk at most
 the others' generation for more than one chunk). After `llama_decode` each
 sequence samples from its own output row with its own sampler chain.
 
-The KV cache is unified (`kv_unified`): all sequences share its `n_ctx`
-cells, and a sequence's cells stay in the cache after it finishes. A newcomer
-whose prompt starts with tokens another sequence (running or finished) holds
-gets them by `llama_memory_seq_cp` instead of recomputing them: the prefix
-cache. When llama.cpp finds no room for a batch, the least recently used
-finished sequences are dropped first.
+Each sequence slot has its own stream of the KV cache (`n_ctx / n_parallel`
+cells, as llama-server's `--parallel`): a sequence's cells then lie in the
+same order as when it runs alone, so a batched reply at temperature 0 is
+the one-at-a-time reply (a unified cache interleaves the sequences' cells,
+which changes the order of the attention sums and, on a small model, about
+one greedy reply in three). A slot keeps its cells after its request is
+done: the prefix cache. A newcomer takes the free slot whose cached tokens
+share the longest prefix with its prompt (ties: the least recently used,
+whose cache is the one evicted); when another slot, running or not, holds a
+longer prefix, its stream is copied over (`llama_memory_seq_cp`) and cut
+back to the shared prefix, which costs a memory copy instead of recomputing
+the tokens.
 
 Not thread-safe: one thread (the model's worker in `edgellm.serve.pool`)
 calls `add`, `step` and `cancel_all`.
@@ -54,21 +60,22 @@ class Sequence:
 
 
 def open_parallel_context(rt: Any, n_seq: int) -> None:
-    """Give the runtime a context with `n_seq` sequences over one unified KV cache of the same size.
+    """Give the runtime a context with `n_seq` sequences, each with its own KV stream.
 
     llama-cpp-python creates its context with one sequence and no option for
     more, so the engine replaces it (the old one is freed first: the KV
-    memory is never held twice).
+    memory is never held twice). The context keeps its size: the streams
+    share its cells.
     """
     from llama_cpp import _internals
 
     llm = rt.llm
     params = llm.context_params
-    if params.n_seq_max == n_seq and params.kv_unified:
+    if params.n_seq_max == n_seq:
         return
     llm._ctx.close()
     params.n_seq_max = n_seq
-    params.kv_unified = True
+    params.kv_unified = False
     llm._ctx = _internals.LlamaContext(model=llm._model, params=params, verbose=False)
     rt._kv = []
 
@@ -82,7 +89,8 @@ class BatchEngine:
         self.ctx = rt.llm.ctx
         self.vocab = rt.llm._model.vocab
         self.mem = llama_cpp.llama_get_memory(self.ctx)
-        self.n_ctx = rt.n_ctx
+        self.n_ctx = rt.n_ctx  # KV cells in all
+        self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self.ctx))  # a sequence's own stream: its longest prompt + reply
         self.batch = Batch(max(n_parallel, min(rt.options.n_batch, self.n_ctx)), 1)
         self.prompt_chunk = max(1, prompt_chunk)
         self.slots: list[Optional[Sequence]] = [None] * n_parallel
@@ -101,7 +109,7 @@ class BatchEngine:
         return self.n_parallel - self.free()
 
     def kv_tokens(self) -> int:
-        """Tokens held per sequence, summed (a prefix shared by seq_cp is counted once per sequence)."""
+        """KV cells in use: the tokens every slot holds, running or cached."""
         return sum(len(c) for c in self.cached)
 
     def add(self, seq: Sequence) -> None:
@@ -125,7 +133,9 @@ class BatchEngine:
         else:
             llama_cpp.llama_memory_seq_rm(self.mem, dst, -1, -1)
             if keep > 0:
-                llama_cpp.llama_memory_seq_cp(self.mem, src, dst, 0, keep)
+                # Across streams llama.cpp copies only whole streams; the tail is cut right after.
+                llama_cpp.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+                llama_cpp.llama_memory_seq_rm(self.mem, dst, keep, -1)
         self.cached[dst] = list(prompt[:keep])
         seq.slot, seq.n_done = dst, keep
         seq.sampler = Sampler(self.vocab, seq.sampling, default_seed=self.default_seed)
@@ -171,6 +181,7 @@ class BatchEngine:
                 room -= k
             if b.decode(self.ctx) == 0:
                 break
+            # Requests are checked against a stream's size, so this is a safety net only.
             if not self._evict_one():  # no idle cache left to drop: the youngest sequence gives way
                 self._finish(max(seqs, key=lambda s: s.t0), "length")
                 seqs = [s for s in self.slots if s is not None]
@@ -204,7 +215,7 @@ class BatchEngine:
             s.emit("text", piece)
         if s.text.stopped:
             return self._finish(s, "stop")
-        if st.generated_tokens >= s.sampling.max_tokens or len(self.cached[s.slot]) + 1 >= self.n_ctx:
+        if st.generated_tokens >= s.sampling.max_tokens or len(self.cached[s.slot]) + 1 >= self.n_ctx_seq:
             return self._finish(s, "length")
         s.last = tok
 

@@ -166,12 +166,18 @@ def create_app(config: ServerConfig, *, pool: Optional[ModelPool] = None):
             raise ApiError(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer KEY'.", code="invalid_api_key")
 
     async def read_json(request: Request) -> dict:
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        # Read at most MAX_BODY_BYTES; past that, read on without keeping it (up to 8x) so that the
+        # client, still sending, gets the 413 instead of a reset connection.
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= MAX_BODY_BYTES:
+                parts.append(chunk)
+            elif size > 8 * MAX_BODY_BYTES:
+                break
+        if size > MAX_BODY_BYTES:
             raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+        raw = b"".join(parts)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -402,8 +408,8 @@ def describe(app: Any) -> str:
 
         ctx = pool.model_ctx(default)
         kv = read_gguf(default.path).kv_cache_bytes(ctx, bytes_per_elem=KV_BYTES_PER_ELEMENT[pool.base_options.kv_type])
-        line += (f"; {default.name}: {ctx} KV cells shared by the slots ({human_size(kv)} of KV cache, "
-                 f"{pool.base_options.kv_type}), up to {ctx} tokens per request")
+        line += (f"; {default.name}: {ctx} KV cells, {human_size(kv)} of KV cache ({pool.base_options.kv_type}), "
+                 f"up to {ctx // pool.parallel} tokens per request")
     return "edgellm serve: " + line
 
 

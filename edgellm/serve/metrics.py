@@ -57,9 +57,8 @@ class Metrics:
         metric("generated_tokens_total", "counter", "Tokens generated.", by_model("generated_tokens"))
         metric("generated_tokens_per_second", "gauge", "Generated tokens per second since the previous scrape.",
                [(f'{{model="{_esc(n)}"}}', round(r, 3)) for n, r in rates])
-        metric("kv_tokens", "gauge", "Tokens held in the KV cache, summed over sequences (a shared prefix once per sequence).",
-               by_model("kv_tokens"))
-        metric("kv_cells", "gauge", "KV cache cells of the model's context (shared by its sequences).", by_model("kv_cells"))
+        metric("kv_cells_used", "gauge", "KV cache cells in use (running sequences and cached prefixes).", by_model("kv_used"))
+        metric("kv_cells", "gauge", "KV cache cells of the model's context (split between its sequence slots).", by_model("kv_cells"))
         return "\n".join(out) + "\n"
 
 

@@ -143,6 +143,9 @@ class ModelPool:
         self.n_ctx = n_ctx
         self.n_threads = n_threads
         self.parallel = parallel or default_parallel()
+        if n_ctx is not None and n_ctx // self.parallel < 64:
+            raise UsageError(f"--ctx {n_ctx} leaves {n_ctx // self.parallel} tokens per request with --parallel {self.parallel}; "
+                             "raise --ctx or lower --parallel")
         self.base_options = runtime_options or RuntimeOptions()
         self._cond = threading.Condition()
         self._slots: "collections.OrderedDict[str, _Slot]" = collections.OrderedDict()  # least recently used first
@@ -198,7 +201,7 @@ class ModelPool:
                 out[name] = {"queued": len(s.jobs), "active": len(s.running), "slots": self.parallel,
                              "prompt_tokens": e.prompt_tokens if e else 0, "cached_tokens": e.cached_tokens if e else 0,
                              "generated_tokens": e.generated_tokens if e else 0, "cache_hits": e.cache_hits if e else 0,
-                             "kv_tokens": e.kv_tokens() if e else 0, "kv_cells": e.n_ctx if e else 0}
+                             "kv_used": e.kv_tokens() if e else 0, "kv_cells": e.n_ctx if e else 0}
             return out
 
     def loaded(self) -> list[str]:
@@ -293,7 +296,7 @@ class ModelPool:
             load_s = self._ensure_loaded(slot)
             rt = slot.runtime
             assert rt is not None
-            tokens, sampling = _prepare(rt, slot.template, job.request)
+            tokens, sampling = _prepare(rt, slot.template, job.request, slot.engine.n_ctx_seq)
             job.emit(("start", {"prompt_tokens": len(tokens), "queue_ms": queue_s * 1000.0, "load_ms": load_s * 1000.0}))
 
             def emit(kind: str, value: Any, job: Job = job) -> None:
@@ -382,17 +385,25 @@ class ModelPool:
         return time.perf_counter() - t0
 
     def model_ctx(self, spec: ModelSpec) -> int:
-        """The context (KV cells, shared by the model's slots) a model gets."""
-        return self.n_ctx or min(DEFAULT_CTX, spec.context_length or DEFAULT_CTX)
+        """KV cells a model gets, shared by its slots (each request gets `model_ctx // parallel`), as llama-server's -c.
+
+        Default: 1,024 per slot and at least DEFAULT_CTX in all, never more per slot than the model was trained for.
+        """
+        if self.n_ctx:
+            return self.n_ctx
+        total = max(DEFAULT_CTX, 1024 * self.parallel)
+        if spec.context_length:
+            total = min(total, spec.context_length * self.parallel)
+        return total
 
 
 # -- prompts -------------------------------------------------------------------
 
 
-def _prepare(rt: Runtime, template: Any, req: JobRequest) -> tuple[list[int], SamplingParams]:
-    """The prompt's tokens and the request's sampling, checked against the context; 400s for what does not fit."""
+def _prepare(rt: Runtime, template: Any, req: JobRequest, n_ctx: int) -> tuple[list[int], SamplingParams]:
+    """The prompt's tokens and the request's sampling, checked against a slot's `n_ctx`; 400s for what does not fit."""
     tokens, param = _prompt_tokens(rt, template, req)
-    n_ctx, n_prompt = rt.n_ctx, len(tokens)
+    n_prompt = len(tokens)
     if n_prompt >= n_ctx:
         raise ApiError(400, f"This model's maximum context length is {n_ctx} tokens. However, your "
                        f"{'messages' if param == 'messages' else 'prompt'} resulted in {n_prompt} tokens. "
