@@ -158,6 +158,40 @@ def measure(model_path: Path, imatrix: Any, types: Sequence[str], *, cancel: Any
     return mats, kept
 
 
+def check_budget(model_path: Path, info: Any, budget: Budget, exclude: Sequence[str]) -> tuple[list[str], set[str], int, int]:
+    """(candidate types, excluded, metadata overhead, smallest file); refuses an impossible budget
+    from sizes alone, before any measuring."""
+    excl = {e.strip().upper() for e in exclude if e.strip()}
+    unknown = excl - set(TYPES) - {"F16", "F32", "BF16"}
+    if unknown:
+        raise UsageError(f"--exclude-types: unknown type(s) {', '.join(sorted(unknown))} (known: {', '.join(TYPES)})")
+    types = [t for t in TYPES if t not in excl]
+    if not types:
+        raise UsageError("--exclude-types leaves no type to choose from")
+    overhead = max(0, info.size_bytes - info.tensor_bytes) + 4096 + 32 * info.tensor_count
+    smallest = overhead + smallest_bytes(model_path, types)
+    if budget.bytes < smallest:
+        raise QuantizeError(
+            f"--budget {budget.text} ({budget.bytes / 1e6:.1f} MB) is below the smallest file these types allow: "
+            f"{smallest / 1e6:.1f} MB ({smallest} bytes)" + (f" with {', '.join(sorted(excl))} excluded" if excl else "")
+        )
+    return types, excl, overhead, smallest
+
+
+def smallest_bytes(model_path: Path, types: Sequence[str]) -> int:
+    """Tensor bytes with every matrix in its cheapest candidate type (the rest as they are)."""
+    from edgellm.gguf.layout import read_layout
+
+    lib = _ggml()
+    total = 0
+    for t in read_layout(model_path).tensors:
+        sizes = [t.shape[1] * lib.ggml_row_size(TYPES[n][0], t.shape[0]) for n in types
+                 if len(t.shape) == 2 and t.name.endswith(".weight") and t.type_name in ("F16", "F32")
+                 and t.shape[0] % TYPES[n][1] == 0]
+        total += min(sizes) if sizes else t.n_bytes
+    return total
+
+
 def _hull(options: list[tuple[str, int, float]]) -> list[tuple[str, int, float]]:
     """The options on the lower convex hull of (bytes, error): the only ones a per-byte greedy should visit."""
     pts: list[tuple[str, int, float]] = []
@@ -202,21 +236,8 @@ def plan(model_path: Path, info: Any, imatrix: Any, budget: Budget, *, exclude: 
          cancel: Any = None, on_progress: Any = None) -> dict[str, Any]:
     """The recipe for `budget`: measured, allocated, with its exact predicted size and the search cost."""
     t0 = time.perf_counter()
-    excl = {e.strip().upper() for e in exclude if e.strip()}
-    unknown = excl - set(TYPES) - {"F16", "F32", "BF16"}
-    if unknown:
-        raise UsageError(f"--exclude-types: unknown type(s) {', '.join(sorted(unknown))} (known: {', '.join(TYPES)})")
-    types = [t for t in TYPES if t not in excl]
-    if not types:
-        raise UsageError("--exclude-types leaves no type to choose from")
+    types, excl, overhead, smallest = check_budget(model_path, info, budget, exclude)
     mats, kept = measure(model_path, imatrix, types, cancel=cancel, on_progress=on_progress)
-    overhead = max(0, info.size_bytes - info.tensor_bytes) + 4096 + 32 * info.tensor_count
-    smallest = overhead + kept + sum(min(o[1] for o in m.options) for m in mats)
-    if budget.bytes < smallest:
-        raise QuantizeError(
-            f"--budget {budget.text} ({budget.bytes / 1e6:.1f} MB) is below the smallest file these types allow: "
-            f"{smallest / 1e6:.1f} MB ({smallest} bytes)" + (f" with {', '.join(sorted(excl))} excluded" if excl else "")
-        )
     choice, used = allocate(mats, budget.bytes - overhead - kept)
     recipe = [(f"^{re.escape(m.name)}$", choice[m.name]) for m in mats]
     return {
@@ -321,8 +342,7 @@ def quantize_to_budget(
         recipe["search_seconds"] = 0.0
     else:
         b = parse_budget(budget or "", info)
-        if b.bytes <= 0:
-            raise QuantizeError(f"--budget {budget}: nothing is left for the weights ({b.text})")
+        check_budget(resolved.path, info, b, exclude)
         # an imatrix first: the search measures with it and the quantization uses it
         choice_early = choose_imatrix(imatrix or "auto", resolved, store=store, on_progress=on_progress, cancel=cancel)
         recipe = plan(resolved.path, info, choice_early.matrix, b, exclude=exclude, cancel=cancel, on_progress=on_progress)

@@ -213,7 +213,8 @@ class LogitsRunner:
     iteration) and the token each row predicts.
     """
 
-    def __init__(self, path: Path | str, *, n_ctx: int, n_seq: int, n_batch: int, threads: Optional[int] = None) -> None:
+    def __init__(self, path: Path | str, *, n_ctx: int, n_seq: int, n_batch: int, threads: Optional[int] = None,
+                 rpc_plan: Any = None) -> None:
         from edgellm.gguf.reader import check_tensor_data, read_gguf
         from edgellm.engine.runtime import default_threads, silence_native_stderr
 
@@ -225,8 +226,14 @@ class LogitsRunner:
         self.threads = threads or default_threads()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = 0
+        if rpc_plan is not None:  # layers on llama.cpp RPC workers (edgellm.engine.rpc); the plan was printed
+            from edgellm.engine import rpc_native
+
+            _keep = rpc_native.apply_to_params(mp, rpc_plan)  # noqa: F841  (alive until the load returns)
         with silence_native_stderr():
             self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
+        if rpc_plan is not None and self.model:
+            rpc_native.harden_sockets([w.endpoint for w in rpc_plan.workers])
         if not self.model:
             raise RuntimeFailure(f"llama.cpp could not load {self.path.name}")
         cp = llama_cpp.llama_context_default_params()
@@ -464,6 +471,7 @@ def perplexity(
     store: Any = None,
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
+    rpc_plan: Any = None,
 ) -> PerplexityResult:
     """PPL ± err of `model` (store name, catalog ref or path) on a text, as llama-perplexity reports it."""
     from edgellm.models.resolve import resolve
@@ -473,7 +481,8 @@ def perplexity(
     batch = DEFAULT_BATCH if batch is None else batch
     check_options(ctx, batch, threads, chunks)
     n_seq = max(1, batch // ctx)
-    with LogitsRunner(resolved.path, n_ctx=ctx, n_seq=n_seq, n_batch=min(batch, n_seq * ctx), threads=threads) as runner:
+    with LogitsRunner(resolved.path, n_ctx=ctx, n_seq=n_seq, n_batch=min(batch, n_seq * ctx), threads=threads,
+                      rpc_plan=rpc_plan) as runner:
         tokens = runner.tokenize(src.data)
         plan = plan_chunks(len(tokens), ctx, chunks, batch)
         s, s2, count, secs = score(runner, tokens, plan, on_progress=on_progress, cancel=cancel)

@@ -259,3 +259,84 @@ def test_calibration_text_is_stated_and_disjoint_from_wikitext(wikitext):
     # prose, code and dialogue are all there
     text = t.data.decode()
     assert "def " in text and "SELECT" in text and '"You\'re the one' in text
+
+
+# -- --budget and --recipe -------------------------------------------------------------
+
+
+def test_budget_below_smallest_file_names_the_minimum(cli, f16_model, session_imatrix, edgellm_home):
+    err = _refused(cli, edgellm_home, "quantize", F16_NAME, "--budget", "50MB", "--exclude-types", "q4_1",
+                   "--imatrix", str(session_imatrix))
+    # every matrix in its cheapest type (Q2_K where 256 divides the width, else Q4_0) is 71.4 MB here
+    assert "below the smallest file" in err and "71.4 MB" in err and "50.0 MB" in err
+    assert "unknown type" in _refused(cli, edgellm_home, "quantize", F16_NAME, "--budget", "90MB", "--exclude-types", "q9_9")
+    assert "give a size" in _refused(cli, edgellm_home, "quantize", F16_NAME, "--budget", "lots")
+    assert "drop --level" in _refused(cli, edgellm_home, "quantize", F16_NAME, "--budget", "90MB", "-l", "q4_0")
+
+
+def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(cli, f16_model, session_imatrix, edgellm_home,
+                                                                       llama_tools, f16_path, tmp_path):
+    budget = 90_000_000
+    res = cli("quantize", F16_NAME, "--budget", "90MB", "--exclude-types", "q4_1", "--imatrix", str(session_imatrix),
+              "--threads", "2", "--json")
+    assert res.exit_code == 0, res
+    out = res.json()[0]
+    assert out["name"] == "smollm2-135m-instruct-budget-90mb"
+    assert out["size_bytes"] <= budget and out["size_bytes"] > 0.97 * budget  # the budget is used, not wasted
+    assert "Q4_1" not in out["tensor_types"]
+    assert out["search_seconds"] > 0 and out["quantize_seconds"] > 0
+    recipe = json.loads(Path(out["recipe_file"]).read_text())
+    assert recipe["architecture"] == "llama" and recipe["excluded_types"] == ["Q4_1"]
+    assert len(recipe["tensor_types"]) == 211 and recipe["predicted_bytes"] >= out["size_bytes"]
+    assert recipe["imatrix"]["sha256"] == _sha(session_imatrix)
+    shown = cli("inspect", out["name"], "--json").json()
+    assert shown["recipe"]["file"] == out["recipe_file"]
+    # the saved recipe, with the same matrix, gives the same bytes ...
+    again = cli("quantize", F16_NAME, "--recipe", out["recipe_file"], "--imatrix", str(session_imatrix), "--threads", "2",
+                "--json")
+    assert again.exit_code == 0, again
+    assert again.json()[0]["sha256"] == out["sha256"]
+    # ... and so does llama-quantize with the recipe's --tensor-type-file twin
+    ref = tmp_path / "ref.gguf"
+    proc = subprocess.run([str(llama_tools / "llama-quantize"), "--imatrix", str(session_imatrix), "--tensor-type-file",
+                           str(Path(out["recipe_file"]).with_suffix(".txt")), str(f16_path), str(ref), "Q4_K_M", "2"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-1500:]
+    assert _sha(ref) == out["sha256"]
+
+
+def test_recipe_for_another_architecture_or_layout_is_refused(cli, f16_model, edgellm_home, tmp_path):
+    from support.gguf_files import write_tiny_llama
+
+    recipe = {"architecture": "qwen2", "tensor_types": [["^blk\\.0\\.attn_q\\.weight$", "Q4_0"]]}
+    p = tmp_path / "qwen.json"
+    p.write_text(json.dumps(recipe))
+    err = _refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", str(p))
+    assert "for qwen2 models" in err and "llama" in err
+    # same architecture, another layout: SmolLM2's 30 layers on a 2-layer llama
+    recipe = {"architecture": "llama", "tensor_types": [[f"^blk\\.{i}\\.attn_q\\.weight$", "Q4_0"] for i in range(30)]}
+    p.write_text(json.dumps(recipe))
+    tiny = write_tiny_llama(tmp_path / "tiny.gguf")
+    err = _refused(cli, edgellm_home, "quantize", str(tiny), "--recipe", str(p))
+    assert "matches no tensor" in err
+    p.write_text("{not json")
+    assert "not an edgellm recipe" in _refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", str(p))
+
+
+def test_kill_9_during_budget_search_leaves_nothing(cli, f16_model, session_imatrix, edgellm_home):
+    proc = start_cli("quantize", F16_NAME, "--budget", "90MB", "--imatrix", str(session_imatrix), "--threads", "2")
+    deadline = time.monotonic() + 120
+    seen = ""
+    while time.monotonic() < deadline and "sensitivity" not in seen:
+        chunk = proc.stderr.read(64)  # type: ignore[union-attr]  (the bar redraws in place: no newlines)
+        if not chunk and proc.poll() is not None:
+            break
+        seen += chunk
+    assert "sensitivity" in seen, seen[-500:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    from edgellm.models.store import Store
+
+    assert Store().find("smollm2-135m-instruct-budget-90mb") is None
+    assert not list(edgellm_home.rglob("*.partial"))
+    assert not (edgellm_home / "recipes").exists() or not list((edgellm_home / "recipes").iterdir())

@@ -8,6 +8,7 @@ import io
 import click
 
 from edgellm.cli.output import cancellable, emit_json, progress_bar
+from edgellm.cli.worker_cmds import rpc_options
 
 CSV_FIELDS = [
     "model", "model_filename", "model_type", "model_size", "model_n_params", "test", "n_prompt", "n_gen",
@@ -36,12 +37,19 @@ CSV_FIELDS = [
 @click.option("--compare-llama-bench", is_flag=True, help="Also run llama-bench on the same files and print the ratio.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a PNG of tokens/s per level.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
-def bench_cmd(models, pp, tg, repetitions, threads, n_ctx, no_mmap, gpu_layers, gpu_device, gpu_mem, mlock, fmt, compare_llama_bench, plot_path, no_progress) -> None:
+@rpc_options
+def bench_cmd(models, pp, tg, repetitions, threads, n_ctx, no_mmap, gpu_layers, gpu_device, gpu_mem, mlock, fmt, compare_llama_bench, plot_path, no_progress, rpc=None, rpc_split=None) -> None:
     """Prompt (pp) and generation (tg) tokens/s as llama-bench measures them (mean ± sd over
     repetitions), time to first token, load time, and memory: peak RSS, the resident pages of the
     mapped weights (file-backed) vs private anonymous pages (KV cache, compute buffers), and the KV
     size for the context. Also the memory bandwidth and the generation roofline it implies.
-    Results are kept per model and machine for `recommend` and the TUI."""
+    Results are kept per model and machine for `recommend` and the TUI.
+
+    With --rpc: each test runs here and split across the workers, and the network's share of
+    the time is reported (with --compare-llama-bench, llama-bench --rpc on the same split)."""
+    if rpc or rpc_split:
+        return _bench_rpc(models, rpc, rpc_split, pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx,
+                          compare_llama_bench=compare_llama_bench, fmt=fmt, no_progress=no_progress)
     from edgellm.engine.gpu import parse_size
     from edgellm.profile.bench import bench, write_plot
 
@@ -69,6 +77,28 @@ def bench_cmd(models, pp, tg, repetitions, threads, n_ctx, no_mmap, gpu_layers, 
         click.echo(_text(rows))
     if plot_path and fmt is None:
         click.echo(f"plot written to {plot_path}")
+
+
+def _bench_rpc(models, rpc, rpc_split, *, fmt, no_progress, **kw) -> None:
+    from edgellm.errors import UsageError
+    from edgellm.profile.bench_rpc import bench_rpc, render
+
+    if not rpc:
+        raise UsageError("--split needs --rpc")
+    if len(models) != 1:
+        raise UsageError("bench --rpc takes one model")
+
+    def show(plan) -> None:
+        for line in plan.lines():
+            click.echo(line, err=True)
+
+    with cancellable() as cancel:
+        plan, rows = bench_rpc(models[0], rpc, rpc_split=rpc_split, on_plan=show, cancel=cancel,
+                               on_progress=progress_bar(not no_progress and fmt is None), **kw)
+    if fmt == "json":
+        emit_json({"rpc_plan": plan, "rows": [r.to_json() for r in rows]})
+    else:
+        click.echo(render(rows))
 
 
 def _mb(n) -> str:

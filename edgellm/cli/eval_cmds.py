@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from edgellm.cli.output import emit_json, running_job
+from edgellm.cli.worker_cmds import prepare_rpc, rpc_options
 
 
 def _text_options(f):
@@ -38,7 +39,8 @@ def _check_source(text, corpus) -> None:
 @click.command("ppl")
 @click.argument("model")
 @_text_options
-def ppl_cmd(model, text, corpus, ctx, chunks, batch, threads, as_json, no_progress) -> None:
+@rpc_options
+def ppl_cmd(model, text, corpus, ctx, chunks, batch, threads, as_json, no_progress, rpc=None, rpc_split=None) -> None:
     """Perplexity of MODEL on a text, computed exactly as llama-perplexity does.
 
     \b
@@ -49,11 +51,17 @@ def ppl_cmd(model, text, corpus, ctx, chunks, batch, threads, as_json, no_progre
     from quant.perplexity import perplexity
 
     _check_source(text, corpus)
+    rpc_plan = None
+    if rpc or rpc_split:
+        from edgellm.models.resolve import resolve
+
+        n_seq = max(1, (batch or 2048) // ctx) if ctx > 0 else 1
+        rpc_plan = prepare_rpc(resolve(model).path, rpc, rpc_split, n_ctx=ctx * n_seq)
     with running_job(not no_progress and not as_json) as (bar, token):
         r = perplexity(model, text=text, corpus=corpus, ctx=ctx, chunks=chunks, batch=batch, threads=threads,
-                       on_progress=bar, cancel=token)
+                       on_progress=bar, cancel=token, **({"rpc_plan": rpc_plan} if rpc_plan is not None else {}))
     if as_json:
-        emit_json(r.to_json())
+        emit_json({**r.to_json(), **({"rpc_plan": rpc_plan.to_json()} if rpc_plan is not None else {})})
         return
     click.echo(f"{r.model}: PPL = {r.ppl:.4f} +/- {r.ppl_err:.5f}")
     click.echo(f"  {r.corpus}, ctx {r.ctx}, {r.n_chunks} chunks, {r.n_tokens_scored} tokens scored, "

@@ -216,6 +216,20 @@ def _fixed_mmap_threshold(nbytes: int = 64 << 10) -> None:
         pass
 
 
+def _apply_rpc(mp, rpc: Optional[dict[str, Any]]) -> Any:
+    """`edgellm bench --rpc`: the parent's plan (endpoints, n_gpu_layers, tensor_split) on these model params."""
+    if not rpc:
+        return None
+    from types import SimpleNamespace
+
+    from edgellm.engine import rpc_native
+    from edgellm.engine.rpc import parse_endpoints
+
+    plan = SimpleNamespace(workers=[SimpleNamespace(endpoint=ep) for ep in parse_endpoints(rpc["endpoints"])],
+                           n_gpu_layers=int(rpc["n_gpu_layers"]), tensor_split=[float(x) for x in rpc["tensor_split"]])
+    return rpc_native.apply_to_params(mp, plan)
+
+
 def run(req: dict[str, Any]) -> int:
     _fixed_mmap_threshold()
     import numpy as np  # imported before the baseline so it is not counted as the model's
@@ -251,6 +265,7 @@ def run(req: dict[str, Any]) -> int:
     mp.n_gpu_layers = int(req.get("n_gpu_layers", 0))
     if "split_mode" in req:  # the GPU plan's device choice (edgellm.engine.gpu.GpuPlan.llama_kwargs)
         mp.split_mode, mp.main_gpu = int(req["split_mode"]), int(req["main_gpu"])
+    _rpc_keep = _apply_rpc(mp, req.get("rpc"))  # noqa: F841  (alive until the load returns)
     mmap, mlock = bool(req.get("use_mmap", True)), bool(req.get("mlock", False))
     mp.load_mode = {
         (True, False): llama_cpp.LLAMA_LOAD_MODE_MMAP,
