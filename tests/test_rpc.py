@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 from support.helpers import DEFAULT_NAME, assert_one_line_error, cli_argv, run_cli
@@ -314,3 +315,34 @@ def test_doctor_shows_rpc_and_the_protocol_a_worker_speaks(cli, workers):
     assert info.devices == [(8 * GiB, 8 * GiB)]
     text = cli("doctor", "--no-self-test")
     assert "rpc               compiled in, protocol 7.0.0" in text.stdout
+
+
+def test_ppl_over_two_workers_equals_the_local_ppl(workers, default_model):
+    """The workers run the same CPU kernels on the same layers: the split changes where, not what."""
+    args = ["ppl", DEFAULT_NAME, "--corpus", "python-docs", "--chunks", "1", "--threads", "1", "--json", "--no-progress"]
+    local = run_cli(*args, timeout=900)
+    split = run_cli(*args, "--rpc", ",".join(w.address for w in workers), timeout=900)
+    assert local.exit_code == 0 and split.exit_code == 0, (local, split)
+    assert split.json()["ppl"] == local.json()["ppl"] and local.json()["n_tokens_scored"] == 255
+    assert [d["device"] for d in split.json()["rpc_plan"]["devices"]] == ["local", "RPC0", "RPC1"]
+
+
+def test_bench_over_two_workers_reports_both_speeds_and_the_network_share(workers, default_model):
+    from edgellm.profile.bench_rpc import llama_bench_args
+
+    res = run_cli("bench", DEFAULT_NAME, "--rpc", ",".join(w.address for w in workers), "--pp", "32", "--tg", "8",
+                  "-r", "1", "--threads", "1", "--json", timeout=900)
+    assert res.exit_code == 0, res
+    out = res.json()
+    assert [r["test"] for r in out["rows"]] == ["pp32", "tg8"]
+    for r in out["rows"]:
+        assert r["rpc_ts"] > 0 and r["local_ts"] > 0
+        assert r["network_share"] == pytest.approx(max(0.0, 1 - r["rpc_ts"] / r["local_ts"]))
+    plan = out["rpc_plan"]
+    assert [d["device"] for d in plan["devices"]] == ["local", "RPC0", "RPC1"]
+
+    # llama-bench gets the same split: RPC devices first, -ngl and -ts from the plan
+    args = llama_bench_args(SimpleNamespace(workers=[SimpleNamespace(endpoint=w.address) for w in workers],
+                                            n_gpu_layers=plan["n_gpu_layers"], tensor_split=plan["tensor_split"]))
+    assert args[:2] == ["--rpc", ",".join(w.address for w in workers)]
+    assert args[3] == str(plan["n_gpu_layers"]) and args[5] == "/".join(f"{x:g}" for x in plan["tensor_split"])

@@ -315,7 +315,7 @@ def run_worker(host: str, port: int, *, threads: int, mem_bytes: Optional[int], 
                                       threads, 1, devs)
 
 
-__all__ = ["plan_for", "loading", "compiled_in", "add_servers", "model_devices", "harden_sockets", "lost_endpoints", "check_alive",
+__all__ = ["plan_for", "loading", "apply_to_params", "compiled_in", "add_servers", "model_devices", "harden_sockets", "lost_endpoints", "check_alive",
            "on_worker_lost", "install_abort_handler", "cpu_device", "offer_memory", "run_worker"]
 
 
@@ -339,3 +339,19 @@ def loading(plan: Any, kw: dict[str, Any]) -> Iterator[None]:
     with model_devices(devices):
         yield
     harden_sockets([w.endpoint for w in plan.workers])
+
+
+def apply_to_params(mp: Any, plan: Any) -> list[Any]:
+    """Point a raw `llama_model_params` at the plan's devices (for code that loads without
+    llama_cpp.Llama: perplexity, the bench worker). Keep the returned arrays alive until the load."""
+    import llama_cpp
+
+    devices = add_servers([w.endpoint for w in plan.workers])
+    with _lock:
+        _state["infos"].update({w.endpoint: w for w in plan.workers})
+    arr = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+    split = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*plan.tensor_split)
+    mp.devices = ctypes.cast(arr, ctypes.c_void_p)
+    mp.n_gpu_layers, mp.split_mode, mp.main_gpu = plan.n_gpu_layers, 1, 0  # 1: LLAMA_SPLIT_MODE_LAYER
+    mp.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))
+    return [arr, split]
