@@ -1,14 +1,22 @@
 #!/usr/bin/env python
-"""Bounded load test for `edgellm serve` on loopback.
+"""Bounded load test for `edgellm serve` on loopback, alone or against llama-server.
 
-Starts `edgellm serve MODEL --port 0` (or uses --url, which must be a
-loopback address), runs C concurrent clients that each send R short chat
-requests through the official `openai` client, and prints how many were
-answered, p50/p95 latency and tokens/s. Everything is bounded: C*R requests,
-a per-request timeout and a total deadline; the server it started is stopped
-at the end. Exit status 1 if any request was dropped or failed.
+Runs C concurrent clients that each send R chat requests (streamed, through
+the official `openai` client) and prints, per server, answered/failed,
+aggregate completion tokens/s, p50/p95 latency and time to first token.
+Everything is bounded: C*R requests per round, a per-request timeout and a
+total deadline; every server it started is stopped at the end. Exit status 1
+if any request was dropped or failed.
 
-    .venv/bin/python scripts/load_test_server.py [--model NAME|PATH] [--clients 8] [--requests 10]
+    # edgellm serve alone (or --url for a running one, loopback only)
+    .venv/bin/python scripts/load_test_server.py [--model NAME|PATH] [--clients 8] [--requests 10] [--parallel 8]
+    # edgellm serve --parallel 8 vs llama-server --parallel 8 (and edgellm --parallel 1), alternating, 3 rounds
+    .venv/bin/python scripts/load_test_server.py --compare [--rounds 3] [--threads 2]
+    # 200 requests mixing valid and bad ones; RSS after the run vs after the warm-up
+    .venv/bin/python scripts/load_test_server.py --mixed 200
+
+llama-server comes from scripts/build_llama_tools.sh (the same vendored
+llama.cpp and CPU flags as the bindings) or $EDGELLM_LLAMA_TOOLS.
 """
 
 from __future__ import annotations
@@ -18,15 +26,20 @@ import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from pathlib import Path
 from urllib.parse import urlparse
 
-PROMPTS = ["Say hello.", "Name a colour.", "What is 2+2?", "Name a fruit.", "Give me a word that rhymes with cat.",
-           "Name a planet.", "What day comes after Monday?", "Name an animal.", "Say something kind.", "Count to three."]
+PROMPTS = ["Tell me about the sea.", "Describe a city at night.", "Explain how rain forms.", "Write about a forest walk.",
+           "Describe your favourite meal.", "Explain what a computer does.", "Tell me a story about a cat.",
+           "Describe the moon.", "Explain why we sleep.", "Write about a mountain."]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -38,11 +51,18 @@ def percentile(values: list[float], q: float) -> float:
     return s[k]
 
 
-def start_server(model: str, threads: int | None, queue: int) -> tuple[subprocess.Popen, str]:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_edgellm(model: str, threads: int | None, queue: int, parallel: int | None, ctx: int | None) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "edgellm.cli", "serve", model, "--host", "127.0.0.1", "--port", "0", "--queue", str(queue)]
-    if threads:
-        cmd += ["--threads", str(threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for flag, v in (("--threads", threads), ("--parallel", parallel), ("--ctx", ctx)):
+        if v:
+            cmd += [flag, str(v)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     line = proc.stdout.readline()
     m = re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", line)
     if not m:
@@ -51,23 +71,195 @@ def start_server(model: str, threads: int | None, queue: int) -> tuple[subproces
     return proc, m.group(1)
 
 
+def start_llama_server(path: Path, threads: int | None, parallel: int, ctx: int) -> tuple[subprocess.Popen, str]:
+    tools = os.environ.get("EDGELLM_LLAMA_TOOLS") or subprocess.run(
+        [str(ROOT / "scripts" / "build_llama_tools.sh"), "llama-server", "llama-completion"],
+        check=True, capture_output=True, text=True).stdout.strip()
+    port = _free_port()
+    cmd = [str(Path(tools) / "llama-server"), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
+           "--parallel", str(parallel), "-c", str(ctx), "--no-webui"]
+    if threads:
+        cmd += ["-t", str(threads), "-tb", str(threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"error: llama-server exited ({proc.returncode}): {' '.join(cmd)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    sys.exit("error: llama-server did not come up in 120 s")
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_load(url: str, model: str, clients: int, requests: int, max_tokens: int, deadline_s: float) -> dict:
+    """C clients x R streamed chat requests; the figures of one round."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)  # warm-up / load
+    deadline = time.monotonic() + deadline_s
+    lock = threading.Lock()
+    results: list[dict] = []
+    failures: list[str] = []
+
+    def worker(ci: int) -> None:
+        for ri in range(requests):
+            if time.monotonic() > deadline:
+                with lock:
+                    failures.append(f"client {ci} request {ri}: deadline passed, not sent")
+                continue
+            t0 = time.perf_counter()
+            ttft, n, usage = None, 0, None
+            try:
+                stream = client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": PROMPTS[(ci + ri) % len(PROMPTS)]}],
+                    max_tokens=max_tokens, temperature=0.7, seed=ci * 1000 + ri, stream=True,
+                    stream_options={"include_usage": True})
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        n += 1
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                dt = time.perf_counter() - t0
+                with lock:
+                    results.append({"latency": dt, "ttft": ttft if ttft is not None else dt,
+                                    "completion_tokens": usage.completion_tokens if usage else n})
+            except Exception as e:  # every failure is counted, never retried
+                with lock:
+                    failures.append(f"client {ci} request {ri}: {type(e).__name__}: {e}")
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()) + 1)
+    wall = time.perf_counter() - t0
+    lat = [r["latency"] for r in results]
+    ttft = [r["ttft"] for r in results]
+    tokens = sum(r["completion_tokens"] for r in results)
+    return {"sent": clients * requests, "answered": len(results), "failed": len(failures), "wall_seconds": round(wall, 2),
+            "completion_tokens": tokens, "tokens_per_second": round(tokens / wall, 2) if wall > 0 else 0.0,
+            "latency_p50_s": round(percentile(lat, 50), 3), "latency_p95_s": round(percentile(lat, 95), 3),
+            "ttft_p50_s": round(percentile(ttft, 50), 3), "ttft_p95_s": round(percentile(ttft, 95), 3),
+            "failures": failures[:10], "load_average_1m": round(os.getloadavg()[0], 2)}
+
+
+def compare(args) -> int:
+    """edgellm --parallel P, llama-server --parallel P and edgellm --parallel 1, alternating, `rounds` times."""
+    sys.path.insert(0, str(ROOT))
+    from edgellm.models.resolve import resolve
+
+    path = resolve(args.model).path
+    ctx = args.ctx or 1024 * args.parallel
+    servers = {
+        f"edgellm --parallel {args.parallel}": lambda: start_edgellm(args.model, args.threads, args.clients * args.requests, args.parallel, ctx),
+        f"llama-server --parallel {args.parallel}": lambda: start_llama_server(path, args.threads, args.parallel, ctx),
+        "edgellm --parallel 1": lambda: start_edgellm(args.model, args.threads, args.clients * args.requests, 1, 1024),
+    }
+    runs: dict[str, list[dict]] = {k: [] for k in servers}
+    for rnd in range(args.rounds):
+        for name, start in servers.items():
+            proc, url = start()
+            try:
+                model = "" if name.startswith("edgellm") else "default"
+                r = run_load(url, model, args.clients, args.requests, args.max_tokens, args.deadline)
+            finally:
+                stop(proc)
+            runs[name].append(r)
+            print(f"round {rnd + 1} {name}: {r['answered']}/{r['sent']} answered, {r['tokens_per_second']} tok/s, "
+                  f"p50 {r['latency_p50_s']} s, p95 {r['latency_p95_s']} s, ttft p50 {r['ttft_p50_s']} s "
+                  f"(load {r['load_average_1m']})", file=sys.stderr)
+    keys = ("tokens_per_second", "latency_p50_s", "latency_p95_s", "ttft_p50_s", "ttft_p95_s")
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in keys} | {
+        "answered": sum(r["answered"] for r in rs), "failed": sum(r["failed"] for r in rs)} for name, rs in runs.items()}
+    ours, theirs, one = (med[k] for k in servers)
+    report = {"model": args.model, "clients": args.clients, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
+              "threads": args.threads, "ctx": ctx, "rounds": args.rounds, "medians": med,
+              "tokens_per_second_vs_llama_server": round(ours["tokens_per_second"] / theirs["tokens_per_second"], 3),
+              "p50_latency_vs_llama_server": round(ours["latency_p50_s"] / theirs["latency_p50_s"], 3),
+              "ttft_p50_vs_llama_server": round(ours["ttft_p50_s"] / theirs["ttft_p50_s"], 3),
+              "tokens_per_second_vs_parallel_1": round(ours["tokens_per_second"] / one["tokens_per_second"], 3),
+              "cpu_count": os.cpu_count(), "runs": runs}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{args.clients} clients x {args.requests} chat requests, max_tokens {args.max_tokens}, {args.rounds} alternating rounds (medians)")
+        print(f"{'server':28s} {'answered':>9s} {'failed':>7s} {'tok/s':>8s} {'p50 s':>7s} {'p95 s':>7s} {'ttft50':>7s} {'ttft95':>7s}")
+        for name, m in med.items():
+            print(f"{name:28s} {m['answered']:9d} {m['failed']:7d} {m['tokens_per_second']:8.1f} {m['latency_p50_s']:7.2f} "
+                  f"{m['latency_p95_s']:7.2f} {m['ttft_p50_s']:7.2f} {m['ttft_p95_s']:7.2f}")
+        print(f"edgellm / llama-server: tokens/s {report['tokens_per_second_vs_llama_server']}x, "
+              f"p50 latency {report['p50_latency_vs_llama_server']}x, ttft {report['ttft_p50_vs_llama_server']}x; "
+              f"edgellm --parallel {args.parallel} / --parallel 1: tokens/s {report['tokens_per_second_vs_parallel_1']}x")
+    return 0 if all(m["failed"] == 0 for m in med.values()) else 1
+
+
+def mixed(args) -> int:
+    """`--mixed N` requests, every third one bad, 8 at a time; RSS after vs after a warm-up round."""
+    import psutil
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_server import PAR, PAR_CTX, _bad_requests, _mixed_round  # noqa: F401  (one definition of the bad kinds)
+
+    proc, url = start_edgellm(args.model, args.threads, 64, PAR, PAR_CTX)
+    try:
+        reference: dict = {}
+        problems = _mixed_round(url, 24, reference)
+        rss0 = psutil.Process(proc.pid).memory_info().rss
+        problems += _mixed_round(url, args.mixed, reference)
+        rss1 = psutil.Process(proc.pid).memory_info().rss
+    finally:
+        stop(proc)
+    drift = (rss1 - rss0) / rss0
+    print(f"{args.mixed} mixed requests: {len(problems)} wrong answers; RSS {rss0 / 2**20:.1f} MiB after the warm-up, "
+          f"{rss1 / 2**20:.1f} MiB after the run ({drift * 100:+.2f}%)")
+    for p in problems[:10]:
+        print("wrong:", p, file=sys.stderr)
+    return 0 if not problems and abs(drift) <= 0.05 else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="store name, catalog ref or GGUF path")
     ap.add_argument("--url", default=None, help="an already running server (loopback only) instead of starting one")
-    ap.add_argument("--api-key", default="unused")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=10, help="requests per client")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=None, help="--threads for the server it starts")
-    ap.add_argument("--deadline", type=float, default=900.0, help="give up after this many seconds in all")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="threads of every server it starts")
+    ap.add_argument("--parallel", type=int, default=8, help="--parallel of the servers it starts")
+    ap.add_argument("--ctx", type=int, default=None, help="KV cells per server [default: 1024 per slot]")
+    ap.add_argument("--compare", action="store_true", help="edgellm vs llama-server vs edgellm --parallel 1, alternating")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mixed", type=int, default=0, metavar="N", help="N mixed valid/bad requests and the RSS check")
+    ap.add_argument("--deadline", type=float, default=900.0, help="give up a round after this many seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if not (1 <= args.clients <= 64 and 1 <= args.requests <= 1000):
         sys.exit("error: --clients must be 1..64 and --requests 1..1000")
-
-    import openai
-
+    if args.compare:
+        return compare(args)
+    if args.mixed:
+        return mixed(args)
     proc = None
     if args.url:
         host = urlparse(args.url).hostname or ""
@@ -75,77 +267,21 @@ def main() -> int:
             sys.exit("error: --url must be a loopback address")
         url = args.url.rstrip("/").removesuffix("/v1")
     else:
-        proc, url = start_server(args.model, args.threads, queue=max(16, args.clients))
-    client = openai.OpenAI(base_url=url + "/v1", api_key=args.api_key, max_retries=0, timeout=300)
-    deadline = time.monotonic() + args.deadline
-    lock = threading.Lock()
-    results: list[dict] = []
-    failures: list[str] = []
-
-    def worker(ci: int) -> None:
-        for ri in range(args.requests):
-            if time.monotonic() > deadline:
-                with lock:
-                    failures.append(f"client {ci} request {ri}: deadline passed, not sent")
-                continue
-            t0 = time.perf_counter()
-            try:
-                r = client.chat.completions.create(
-                    model="", messages=[{"role": "user", "content": PROMPTS[(ci + ri) % len(PROMPTS)]}],
-                    max_tokens=args.max_tokens, temperature=0.7, seed=ci * 1000 + ri)
-                dt = time.perf_counter() - t0
-                t = r.model_extra.get("timings", {})
-                with lock:
-                    results.append({"latency": dt, "completion_tokens": r.usage.completion_tokens,
-                                    "prompt_tokens": r.usage.prompt_tokens, "queue_ms": t.get("queue_ms", 0.0),
-                                    "predicted_per_second": t.get("predicted_per_second", 0.0)})
-            except Exception as e:  # every failure is counted, never retried
-                with lock:
-                    failures.append(f"client {ci} request {ri}: {type(e).__name__}: {e}")
-
+        proc, url = start_edgellm(args.model, args.threads, max(16, args.clients), args.parallel, args.ctx)
     try:
-        # Warm up: the first request loads the model; it is not part of the figures.
-        client.chat.completions.create(model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()) + 1)
-        wall = time.perf_counter() - t0
+        r = run_load(url, "", args.clients, args.requests, args.max_tokens, args.deadline)
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-    lat = [r["latency"] for r in results]
-    tokens = sum(r["completion_tokens"] for r in results)
-    report = {
-        "clients": args.clients, "requests_per_client": args.requests, "sent": args.clients * args.requests,
-        "answered": len(results), "failed": len(failures), "wall_seconds": round(wall, 2),
-        "latency_p50_s": round(percentile(lat, 50), 3), "latency_p95_s": round(percentile(lat, 95), 3),
-        "latency_max_s": round(max(lat), 3) if lat else None,
-        "completion_tokens": tokens, "tokens_per_second": round(tokens / wall, 2) if wall > 0 else 0.0,
-        "requests_per_second": round(len(results) / wall, 3) if wall > 0 else 0.0,
-        "mean_queue_ms": round(statistics.fmean(r["queue_ms"] for r in results), 1) if results else None,
-        "mean_decode_tokens_per_second": round(statistics.fmean(r["predicted_per_second"] for r in results), 1) if results else None,
-        "cpu_count": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2),
-    }
+        stop(proc)
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(r, indent=2))
     else:
-        print(f"{report['answered']}/{report['sent']} answered, {report['failed']} failed, in {report['wall_seconds']} s "
+        print(f"{r['answered']}/{r['sent']} answered, {r['failed']} failed, in {r['wall_seconds']} s "
               f"({args.clients} clients x {args.requests} requests, max_tokens {args.max_tokens})")
-        print(f"latency p50 {report['latency_p50_s']} s, p95 {report['latency_p95_s']} s, max {report['latency_max_s']} s")
-        print(f"throughput {report['tokens_per_second']} completion tokens/s, {report['requests_per_second']} requests/s; "
-              f"mean time queued {report['mean_queue_ms']} ms; decode speed per request {report['mean_decode_tokens_per_second']} tok/s")
-        print(f"load average during the run: {report['load_average_1m']} on {report['cpu_count']} CPUs")
-    for f in failures[:10]:
+        print(f"latency p50 {r['latency_p50_s']} s, p95 {r['latency_p95_s']} s; first token p50 {r['ttft_p50_s']} s, "
+              f"p95 {r['ttft_p95_s']} s; {r['tokens_per_second']} completion tokens/s; load average {r['load_average_1m']}")
+    for f in r["failures"]:
         print("failed:", f, file=sys.stderr)
-    return 0 if not failures and len(results) == args.clients * args.requests else 1
+    return 0 if not r["failed"] and r["answered"] == r["sent"] else 1
 
 
 if __name__ == "__main__":
