@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+echo "[test] checking the import layers (contracts in pyproject.toml)"
+.venv/bin/lint-imports --no-cache --no-logo
 echo "[test] building llama.cpp's reference tools (cached after the first run)"
 EDGELLM_LLAMA_TOOLS="$(scripts/build_llama_tools.sh)"
 export EDGELLM_LLAMA_TOOLS

@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Figures for docs/quantize.md: importance matrix, --budget recipes and --recipe speed, in one run.
+
+On the default model's F16 (dequantized from Q4_1: a Q4_1 quant reproduces
+it almost exactly, so every figure is given with q4_1 excluded from the
+search too), with evaluation on WikiText-2's test split (never the
+calibration text), ctx 512, --chunks (>= 40):
+
+1. agreement: `edgellm imatrix` vs `llama-imatrix` from the same tree on the
+   same text, ctx and chunks: largest per-tensor relative difference (goal
+   <= 1e-4), equal counts;
+2. identity: `quantize --imatrix FILE` vs `llama-quantize --imatrix FILE`:
+   sha256 of the outputs (goal: equal) at every level below;
+3. mean KLD without vs with the matrix at Q2_K, Q3_K_M, IQ4_XS, Q4_K_M;
+4. --budget at each stock level's file size (Q2_K, Q3_K_M, Q4_0, Q4_K_M):
+   size and mean KLD, all types allowed and with q4_1 excluded, as a ratio
+   to `llama-quantize --imatrix` at that level with the same matrix (goal
+   <= 0.8), with the search's cost apart from the quantization's;
+5. --recipe speed: `quantize --recipe` vs `llama-quantize --tensor-type-file`
+   with the same per-tensor types and threads, median of --runs (goal <= 1.03).
+
+    .venv/bin/python scripts/bench_imatrix.py --chunks 40 --threads 2 --json figures.json
+
+Needs llama.cpp's tools (scripts/build_llama_tools.sh, or $EDGELLM_LLAMA_TOOLS)
+and ../shared/data/wikitext-2-raw (or $EDGELLM_CORPUS_DIR). Long: an hour or
+more on 2 cores; run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IMATRIX_LEVELS = ["q2_k", "q3_k_m", "iq4_xs", "q4_k_m"]
+BUDGET_LEVELS = ["q2_k", "q3_k_m", "q4_0", "q4_k_m"]
+
+
+def sh(args: list[str], env: dict, timeout: float = 7200) -> str:
+    proc = subprocess.run([str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        sys.exit(f"failed: {' '.join(map(str, args))}\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def edgellm(env: dict, *args: str, timeout: float = 7200):
+    out = sh([sys.executable, "-m", "edgellm.cli", *args], env, timeout)
+    return json.loads(out) if "--json" in args else out
+
+
+def sha(p: Path | str) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tools_dir() -> Path:
+    env = os.environ.get("EDGELLM_LLAMA_TOOLS")
+    if env:
+        return Path(env)
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_tools.sh")], capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def kld(env: dict, base: str, names: list[str], args) -> dict[str, dict]:
+    rep = edgellm(env, "eval", base, "--levels", ",".join(names), "--corpus", "wikitext-2", "--ctx", "512",
+                  "--chunks", str(args.chunks), "--threads", str(args.threads), "--json", "--no-progress")
+    return {lv["name"]: lv for lv in rep["levels"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", type=int, default=40, help="WikiText-2 chunks of 512 for KLD (>= 40)")
+    ap.add_argument("--imatrix-chunks", type=int, default=None, help="calibration chunks (default: all of the text)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--runs", type=int, default=3, help="timed runs for the --recipe speed ratio")
+    ap.add_argument("--json", type=Path, default=None, help="write every figure here too")
+    args = ap.parse_args()
+    tools = tools_dir()
+    work = Path(tempfile.mkdtemp(prefix="bench-imatrix-"))
+    env = dict(os.environ, EDGELLM_HOME=str(work / "home"))
+    fig: dict = {"chunks": args.chunks, "threads": args.threads, "ctx": 512}
+    t = str(args.threads)
+
+    edgellm(env, "pull", "smollm2-135m-instruct", "--json", "--no-progress")
+    f16 = edgellm(env, "convert", "smollm2-135m-instruct", "--to", "f16", "--json", "--no-progress")
+    base, f16_path = f16["name"], f16["path"]
+
+    # 1. the matrix, both ways
+    im_args = ["--chunks", str(args.imatrix_chunks)] if args.imatrix_chunks else []
+    t0 = time.perf_counter()
+    mine = edgellm(env, "imatrix", base, "--threads", t, "--json", "--no-progress", *im_args)
+    fig["imatrix_seconds"] = time.perf_counter() - t0
+    from quant.imatrix import calibration_path
+    from quant.imatrix_file import read_imatrix
+
+    ref_path = work / "llama-imatrix.gguf"
+    t0 = time.perf_counter()
+    sh([tools / "llama-imatrix", "-m", f16_path, "-f", calibration_path(), "-c", "512", "-t", t, "--no-ppl",
+        "-o", ref_path, *(["--chunks", str(args.imatrix_chunks)] if args.imatrix_chunks else [])], env)
+    fig["llama_imatrix_seconds"] = time.perf_counter() - t0
+    a, b = read_imatrix(mine["file"]), read_imatrix(ref_path)
+    assert sorted(a.entries) == sorted(b.entries)
+    fig["imatrix_max_rel_diff"] = max(float(abs(a.entries[n].sums - e.sums).max() / abs(e.sums).max())
+                                      for n, e in b.entries.items())
+    fig["imatrix_counts_equal"] = all((a.entries[n].counts == e.counts).all() for n, e in b.entries.items())
+    fig["imatrix_chunks"] = b.chunk_count
+    imat = mine["file"]
+
+    # 2 + 3. stock vs imatrix levels; identity with llama-quantize --imatrix
+    levels = sorted(set(IMATRIX_LEVELS + BUDGET_LEVELS))
+    stock = {r["level"]: r for r in edgellm(env, "quantize", base, *sum((["-l", lv] for lv in levels), []),
+                                            "--threads", t, "--json", "--no-progress")}
+    withm = {r["level"]: r for r in edgellm(env, "quantize", base, *sum((["-l", lv] for lv in levels), []),
+                                            "--imatrix", imat, "--threads", t, "--json", "--no-progress")}
+    fig["identical_to_llama_quantize"] = {}
+    for lv in levels:
+        ref = work / f"ref-{lv}.gguf"
+        sh([tools / "llama-quantize", "--imatrix", imat, f16_path, ref, lv.upper(), t], env)
+        fig["identical_to_llama_quantize"][lv] = sha(ref) == withm[lv]["sha256"]
+
+    # 4. budgets at the stock sizes, with and without q4_1
+    budgets = {}
+    for lv in BUDGET_LEVELS:
+        size = stock[lv]["size_bytes"]
+        for excl in ("", "q4_1"):
+            r = edgellm(env, "quantize", base, "--budget", str(size), "--imatrix", imat, "--threads", t, "--json",
+                        "--no-progress", "--force", *(["--exclude-types", excl] if excl else []))[0]
+            # the two runs share a name (budget-<bytes>): keep the first under another name by evaluating it now
+            budgets[(lv, excl)] = {"name": r["name"], "size_bytes": r["size_bytes"], "search_seconds": r["search_seconds"],
+                                   "quantize_seconds": r["quantize_seconds"], "recipe_file": r["recipe_file"],
+                                   "kld": kld(env, base, [r["name"]], args)[r["name"]]["kld_mean"]}
+    names = [stock[lv]["name"] for lv in levels] + [withm[lv]["name"] for lv in levels]
+    k = kld(env, base, names, args)
+    fig["kld"] = {lv: {"stock": k[stock[lv]["name"]]["kld_mean"], "imatrix": k[withm[lv]["name"]]["kld_mean"],
+                       "size_stock": stock[lv]["size_bytes"]} for lv in levels}
+    fig["budget"] = {f"{lv}{'-no-' + excl if excl else ''}": {**v, "ratio_vs_imatrix_level": v["kld"] / fig["kld"][lv]["imatrix"]}
+                     for (lv, excl), v in budgets.items()}
+
+    # 5. --recipe speed vs llama-quantize --tensor-type-file (same types, same threads, no imatrix on either side)
+    recipe = budgets[("q4_k_m", "q4_1")]["recipe_file"]
+    mine_s, ref_s = [], []
+    for i in range(args.runs):
+        order = [0, 1] if i % 2 == 0 else [1, 0]
+        for which in order:
+            if which == 0:
+                t0 = time.perf_counter()
+                edgellm(env, "quantize", base, "--recipe", recipe, "--threads", t, "--force", "--no-progress")
+                mine_s.append(time.perf_counter() - t0)
+            else:
+                t0 = time.perf_counter()
+                sh([tools / "llama-quantize", "--tensor-type-file", Path(recipe).with_suffix(".txt"), f16_path,
+                    work / "ref-recipe.gguf", "Q4_K_M", t], env)
+                ref_s.append(time.perf_counter() - t0)
+    fig["recipe_speed"] = {"edgellm_s": statistics.median(mine_s), "llama_quantize_s": statistics.median(ref_s),
+                           "ratio": statistics.median(mine_s) / statistics.median(ref_s)}
+
+    print(json.dumps(fig, indent=1, default=str))
+    if args.json:
+        args.json.write_text(json.dumps(fig, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
