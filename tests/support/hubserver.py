@@ -35,7 +35,7 @@ Fault knobs (thread-safe, settable while the server runs; ``clear_faults()`` res
 Counters: ``bytes_sent[filename]`` (body bytes actually written, all requests) and ``requests``
 (list of ``Request(method, path, range)``; CDN paths start with ``/cdn-lfs/``).
 
-CLI: ``python tests/hubserver.py --port 0 --repo owner/name FILE... [--throttle BPS]``.
+CLI: ``python tests/support/hubserver.py --port 0 --repo owner/name FILE... [--throttle BPS]``.
 """
 
 from __future__ import annotations
