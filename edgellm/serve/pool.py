@@ -155,7 +155,7 @@ class ModelPool:
         if self.base_options.rpc:  # a lost RPC worker fails its requests with a 503, not the server
             from edgellm.serve import rpc_guard
 
-            rpc_guard.attach(self)
+            rpc_guard.attach(self, ApiError)
 
     # -- called from the HTTP side ---------------------------------------------
 

@@ -23,16 +23,16 @@ log = logging.getLogger(__name__)
 CODE = "rpc_worker_lost"
 
 
-def attach(pool: Any) -> None:
+def attach(pool: Any, api_error: Any) -> None:
+    """Route lost workers to `pool`'s requests; `api_error` is the pool's ApiError (status, message, code)."""
     pool.rpc_lost = None
+    pool.rpc_api_error = api_error
     rpc_native.install_abort_handler("park")
     rpc_native.on_worker_lost(lambda msg, lost: _fail_all(pool, msg))
 
 
-def _error(msg: str) -> Any:
-    from edgellm.serve.pool import ApiError
-
-    return ApiError(503, f"{msg}; restart the worker, then edgellm serve", code=CODE)
+def _error(pool: Any, msg: str) -> Any:
+    return pool.rpc_api_error(503, f"{msg}; restart the worker, then edgellm serve", code=CODE)
 
 
 def check(pool: Any) -> None:
@@ -44,14 +44,14 @@ def check(pool: Any) -> None:
             msg = pool.rpc_lost = f"RPC worker {lost[0]} is gone (its connection is closed)"
             log.error("%s", msg)
     if msg is not None:
-        raise _error(msg)
+        raise _error(pool, msg)
 
 
 def _fail_all(pool: Any, msg: str) -> None:
     """Called from the parked llama.cpp thread: every running and queued request gets the 503."""
     log.error("%s", msg)
     pool.rpc_lost = msg
-    err = _error(msg)
+    err = _error(pool, msg)
     with pool._cond:
         victims = [(s, j) for s in pool._slots.values() for j in [*s.running, *s.jobs]]
         for s in pool._slots.values():
