@@ -108,3 +108,42 @@ def test_kv_type_memory_matches_llama_cpp(default_gguf, kv_type):
 def test_unknown_kv_type(default_gguf):
     with pytest.raises(UsageError, match="unknown KV cache type"):
         Runtime(default_gguf, RuntimeOptions(kv_type="q3_k"))
+
+
+def test_text_stream_keeps_characters_whole_and_hides_stop_strings(rt):
+    """edgellm's detokenizer: token pieces from llama.cpp, multi-byte characters never split, stop strings never shown."""
+    from edgellm.engine.decode import TextStream
+
+    text = "Grüße, 你好 — the end. STOP here"
+    tokens = rt.tokenize(text, add_bos=False)
+    vocab = rt.llm._model.vocab
+    whole = TextStream(vocab)
+    pieces = [whole.push(t) for t in tokens] + [whole.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)  # a split character would show as U+FFFD
+    cut = TextStream(vocab, ["STOP", "never"])
+    shown = ""
+    for t in tokens:
+        shown += cut.push(t)
+        if cut.stopped:
+            break
+    assert cut.stopped and shown == "Grüße, 你好 — the end. " and cut.flush() == ""
+
+
+def test_temperature_zero_is_greedy_and_matches_llama_cpp_argmax(rt):
+    """The native sampler chain at temperature 0 picks llama.cpp's argmax (checked on the logits of the first step)."""
+    import numpy as np
+    import llama_cpp
+
+    rt.reset()
+    prompt = _prompt(rt, "Name a colour.")
+    text, st = rt.complete(prompt, SamplingParams(temperature=0, max_tokens=1))
+    rt.reset()
+    from edgellm.engine.decode import Batch, decode_prompt
+
+    b = Batch(64)
+    decode_prompt(rt.llm.ctx, b, prompt, 0)
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(rt.llm.ctx, -1), shape=(rt.llm.n_vocab(),))
+    b.close()
+    rt.reset()
+    assert text == rt.detokenize([int(np.argmax(logits))])
