@@ -137,7 +137,11 @@ def _error_response(e: ApiError):
 
 
 def create_app(config: ServerConfig, *, pool: Optional[ModelPool] = None):
-    """The Starlette app; `app.state.pool` holds the models."""
+    """The Starlette app; `app.state.pool` holds the models.
+
+    One function with the routes as closures (over 80 lines): they share the
+    config, the pool, the model names and the metrics without a global.
+    """
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
