@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Iterator, Optional
 
 from edgellm.errors import Cancelled, InsufficientResources
+from edgellm.units import human_size  # noqa: F401  (callers import it from here too)
 from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
 
 log = logging.getLogger(__name__)
@@ -167,11 +168,3 @@ def check_free_disk(folder: Path, needed: int, *, what: str) -> None:
             f"not enough disk for {what}: need {human_size(needed + DISK_MARGIN)} "
             f"(incl. {human_size(DISK_MARGIN)} margin) in {folder}, {human_size(free)} free"
         )
-
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"

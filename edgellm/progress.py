@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from edgellm.errors import Cancelled
+from edgellm.units import human_size
 
 
 @dataclass(frozen=True)
@@ -87,17 +88,9 @@ class RateMeter:
         return (done - d0) / (now - t0)
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def format_amount(value: float, unit: str) -> str:
     if unit == "B":
-        return _human_bytes(value)
+        return human_size(value)
     return f"{value:.0f}"
 
 

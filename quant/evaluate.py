@@ -23,7 +23,11 @@ from typing import Any, Optional, Sequence
 
 from edgellm import paths
 from edgellm.errors import EvalError, InsufficientResources, UsageError
-from edgellm.fsutil import atomic_path, atomic_write_text
+from edgellm.engine.memory import DEFAULT_CTX as MEMORY_CTX
+from edgellm.engine.memory import Shape, estimate, kv_bytes_per_token, shape_from_size
+from edgellm.errors import GGUFError
+from edgellm.fsutil import atomic_path, atomic_write_text, human_size
+from edgellm.gguf.reader import read_gguf
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
 
 from quant.kld import DEFAULT_TAIL_SAMPLES, DEFAULT_TOPK, BaseLogProbs, KLDAccumulator
@@ -41,10 +45,6 @@ from quant.perplexity import (
 log = logging.getLogger(__name__)
 
 RESULTS_SUBDIR = "eval"
-# Runtime overhead beyond weights and KV: compute buffers, the process itself.
-OVERHEAD_BYTES = 200 << 20
-OVERHEAD_FRACTION = 0.05
-DEFAULT_RECOMMEND_CTX = 4096
 _QUANT_TAG = re.compile(r"(?i)(?:^|[-_.])(i?q\d(?:_[0-9a-z]+)*)(?:[-_.]|$)")
 
 
@@ -105,6 +105,7 @@ class EvalReport:
     levels: list[LevelEval]
     warnings: list[str] = field(default_factory=list)
     path: Optional[str] = None  # where it was saved
+    shape: Optional[dict[str, int]] = None  # the base's memory.Shape, for levels no longer in the store
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -145,8 +146,6 @@ def _file_key(path: Path) -> str:
 
 def lineage_warning(resolved: Any, info: Any, store: Any) -> Optional[str]:
     """A float base that came from a quantized file is not a true reference; say so."""
-    from edgellm.gguf.reader import read_gguf
-
     if not info.level.startswith(("f16", "bf16", "f32")):
         return None
     rec = resolved.record
@@ -212,8 +211,6 @@ def _targets(base: Any, items: Sequence[str], *, threads: Optional[int], store: 
                 r = resolve(item, store=store)
             except Exception:
                 raise level_error from None
-            from edgellm.gguf.reader import read_gguf
-
             out.append(_Target(r.record.level if r.record else read_gguf(Path(r.path)).level, r.label, Path(r.path)))
             continue
         rec = _find_level(base.record, key, store)
@@ -254,7 +251,6 @@ def evaluate(
     save: bool = True,
 ) -> EvalReport:
     """PPL, ΔPPL and KLD of each level against `base_ref`, saved under the results folder."""
-    from edgellm.gguf.reader import read_gguf
     from edgellm.models.resolve import resolve
     from edgellm.models.store import Store
 
@@ -350,12 +346,10 @@ def evaluate(
             tokens_per_second=plan.n_chunk * ctx / secs if secs > 0 else 0.0, seconds=secs, kld=r.to_json(),
         ))
 
-    head_dim = info.embedding_length // info.head_count if info.head_count else 0
-    kv_per_token = 2 * info.block_count * (info.head_count_kv or info.head_count) * head_dim * 2
     report = EvalReport(
         base=base.label, base_path=str(base.path), base_level=info.level, base_size_bytes=info.size_bytes, base_bpw=info.bpw,
         base_ppl=base_ppl, base_ppl_err=base_err, base_tokens_per_second=float(base_lp.meta.get("tokens_per_second", 0.0)),
-        parameters=info.parameters, kv_bytes_per_token=kv_per_token, corpus=src.label, corpus_sha256=src.sha256, ctx=ctx,
+        parameters=info.parameters, kv_bytes_per_token=kv_bytes_per_token(info), shape=asdict(Shape.of(info)), corpus=src.label, corpus_sha256=src.sha256, ctx=ctx,
         chunks=plan.n_chunk, n_tokens_scored=n_scored, batch=plan.n_batch, threads=threads_used, topk=base_lp.k,
         tail_samples=base_lp.m, machine=_machine(), created=time.time(), levels=results, warnings=warnings,
     )
@@ -449,7 +443,7 @@ class Candidate:
     level: str
     name: str
     size_bytes: int
-    need_bytes: int  # weights + KV at ctx + overhead
+    need_bytes: int  # edgellm.engine.memory.estimate(...).total_bytes at ctx
     kld_mean: float
     dppl_pct: float
     same_top_p: float
@@ -477,8 +471,19 @@ class Recommendation:
                 "considered": [c.to_json() for c in self.considered], "reason": self.reason}
 
 
-def need_bytes(size_bytes: int, kv_bytes_per_token: int, ctx: int) -> int:
-    return int(size_bytes + kv_bytes_per_token * ctx + OVERHEAD_BYTES + OVERHEAD_FRACTION * size_bytes)
+def need_bytes(report: EvalReport, lv: LevelEval, ctx: int) -> int:
+    """What loading `lv` at `ctx` needs: from its GGUF header while the file
+    is there (the very figure the load guard computes), else from the shape
+    saved with the report."""
+    try:
+        return estimate(read_gguf(lv.path, check=False), ctx=ctx).total_bytes
+    except (GGUFError, OSError):
+        pass
+    if report.shape:
+        shape = Shape(**{**report.shape, "tensor_bytes": lv.size_bytes})
+    else:
+        shape = shape_from_size(lv.size_bytes, report.parameters)
+    return estimate(shape, ctx=ctx).total_bytes
 
 
 def _bench_speeds() -> dict[str, float]:
@@ -514,7 +519,7 @@ def recommend(ram_bytes: Optional[int] = None, ctx: Optional[int] = None) -> Rec
     if not reports:
         raise EvalError("no saved eval results; run `edgellm eval BASE --levels q4_0,q4_k_m,q5_k_m,q8_0` first")
     ram = int(ram_bytes if ram_bytes is not None else memory().available_bytes)
-    n_ctx = int(ctx or DEFAULT_RECOMMEND_CTX)
+    n_ctx = int(ctx or MEMORY_CTX)
     # Per (base, level): the measurement over the most tokens, the newest on a tie.
     chosen: dict[tuple[str, str], tuple[EvalReport, LevelEval]] = {}
     for r in sorted(reports, key=lambda r: (r.n_tokens_scored, r.created), reverse=True):
@@ -523,7 +528,7 @@ def recommend(ram_bytes: Optional[int] = None, ctx: Optional[int] = None) -> Rec
     speeds = _bench_speeds()
     cands: list[tuple[int, Candidate]] = []
     for r, lv in chosen.values():
-        need = need_bytes(lv.size_bytes, r.kv_bytes_per_token, n_ctx)
+        need = need_bytes(r, lv, n_ctx)
         cands.append((r.parameters, Candidate(
             base=r.base, level=lv.level, name=lv.name, size_bytes=lv.size_bytes, need_bytes=need, kld_mean=lv.kld_mean,
             dppl_pct=lv.dppl_pct, same_top_p=lv.same_top_p, eval_tokens_per_second=lv.tokens_per_second,
@@ -533,12 +538,12 @@ def recommend(ram_bytes: Optional[int] = None, ctx: Optional[int] = None) -> Rec
     if not fitting:
         smallest = min((c for _, c in cands), key=lambda c: c.need_bytes)
         raise InsufficientResources(
-            f"no evaluated level fits in {ram / 2**30:.2f} GiB at ctx {n_ctx}: the smallest, {smallest.name}, "
-            f"needs {smallest.need_bytes / 2**30:.2f} GiB (weights + KV + overhead)")
+            f"no evaluated level fits in {human_size(ram)} at ctx {n_ctx}: the smallest, {smallest.name}, "
+            f"needs {human_size(smallest.need_bytes)} (weights + KV cache + compute + process)")
     best = fitting[0][1]
     runner = fitting[1][1] if len(fitting) > 1 else None
     reason = (f"{best.level} is the lowest-loss level of {best.base} that fits: mean KLD {best.kld_mean:.4f}, "
-              f"ΔPPL {best.dppl_pct:+.2f}%, needs {best.need_bytes / 2**20:.0f} MiB of {ram / 2**20:.0f} MiB at ctx {n_ctx}")
+              f"ΔPPL {best.dppl_pct:+.2f}%, needs {human_size(best.need_bytes)} of {human_size(ram)} at ctx {n_ctx}")
     return Recommendation(ram_bytes=ram, ctx=n_ctx, best=best, runner_up=runner, considered=considered, reason=reason)
 
 

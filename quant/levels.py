@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+from edgellm.engine.memory import DEFAULT_CTX, MemoryEstimate, estimate, shape_from_size
 from edgellm.errors import UsageError
 from edgellm.gguf.reader import gguf_constants
 
@@ -171,3 +172,15 @@ def type_bpw(ggml_type: str) -> float:
 
 
 __all__ = ["Level", "LEVELS", "ALIASES", "FALLBACK", "QK_K", "all_levels", "parse_level", "level_for_ftype", "type_bpw"]
+
+
+def level_estimate(parameters: int, level: str, *, ctx: int = DEFAULT_CTX) -> MemoryEstimate:
+    """Memory of a model known only by parameters and level (a catalog entry
+    not downloaded yet): the level's nominal bits per weight, then the core's
+    one estimate. `models list` and the TUI's fit marks both use this."""
+    try:
+        bpw = parse_level(level).bpw
+    except UsageError:
+        bpw = 5.0  # unknown label: about Q4_K_M/Q5_K_M
+    size = int(parameters * bpw / 8)
+    return estimate(shape_from_size(size, parameters), ctx=ctx)

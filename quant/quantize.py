@@ -262,7 +262,7 @@ def _fits_side_by_side(info: GGUFInfo, n: int) -> bool:
     The largest is the token embedding in practice (vocab x width), else a
     layer's share of the weights.
     """
-    from edgellm.engine.hardware import available_ram
+    from edgellm.engine.memory import available_ram
 
     largest = max(info.vocab_size * info.embedding_length, info.parameters // max(1, 4 * info.block_count))
     per_job = largest * (4 + 2 + 2) + (64 << 20)

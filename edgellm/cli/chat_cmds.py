@@ -15,6 +15,7 @@ from typing import Any, Optional
 import click
 
 from edgellm.cli.worker_cmds import prepare_rpc, rpc_options
+from edgellm.engine.memory import DEFAULT_CTX
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def _show_plan(plan) -> None:
 @click.option("--max-tokens", type=int, default=512, show_default=True, help="Most tokens per reply.")
 @click.option("--stop", multiple=True, help="Stop the reply at this text (repeatable).")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: physical cores).")
-@click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True, help="Context size in tokens.")
+@click.option("--ctx", "n_ctx", type=int, default=DEFAULT_CTX, show_default=True, help="Context size in tokens.")
 @click.option("--gpu-layers", default="0", show_default=True, help="Layers to offload: N, all, auto (what fits) or 0.")
 @click.option("--gpu-device", default=None, help="GPU device index or name (see `edgellm doctor`); needed for a software device.")
 @click.option("--gpu-mem", default=None, metavar="SIZE", help="Most memory to use on the device, e.g. 512M or 4G.")

@@ -8,6 +8,7 @@ import click
 
 from edgellm.cli.output import emit_json, running_job
 from edgellm.cli.worker_cmds import prepare_rpc, rpc_options
+from edgellm.fsutil import human_size
 
 
 def _text_options(f):
@@ -109,8 +110,6 @@ def eval_cmd(base, levels, text, corpus, ctx, chunks, batch, threads, as_json, n
 
 
 def render_table(report) -> str:
-    from edgellm.fsutil import human_size
-
     lines = [
         f"{report.base} ({report.base_level}, {human_size(report.base_size_bytes)}): PPL {report.base_ppl:.4f} +/- {report.base_ppl_err:.4f}",
         f"{report.corpus}, ctx {report.ctx}, {report.chunks} chunks, {report.n_tokens_scored} tokens scored; {report.machine}",
@@ -146,9 +145,9 @@ def recommend_cmd(ram, ctx, as_json) -> None:
     def line(tag, c):
         speed = f", {c.gen_tokens_per_second:.1f} tok/s generation" if c.gen_tokens_per_second else f", {c.eval_tokens_per_second:.0f} tok/s eval"
         return (f"{tag}: {c.name} ({c.level}) — mean KLD {c.kld_mean:.4f}, ΔPPL {c.dppl_pct:+.2f}%, same top token "
-                f"{c.same_top_p:.1f}%{speed}; needs {c.need_bytes / 2**20:.0f} MiB  [{c.corpus}]")
+                f"{c.same_top_p:.1f}%{speed}; needs {human_size(c.need_bytes)}  [{c.corpus}]")
 
-    click.echo(f"RAM {rec.ram_bytes / 2**30:.2f} GiB, ctx {rec.ctx}")
+    click.echo(f"RAM {human_size(rec.ram_bytes)}, ctx {rec.ctx}")
     click.echo(line("best", rec.best))
     if rec.runner_up:
         click.echo(line("runner-up", rec.runner_up))

@@ -19,43 +19,57 @@ def models_group() -> None:
 @click.option("--local", is_flag=True, help="Only models in the store.")
 def list_cmd(as_json: bool, local: bool) -> None:
     """The local store and the catalog, with sizes, levels and sources."""
-    from edgellm.models.catalog import load_catalog
+    from edgellm.engine.memory import DEFAULT_CTX, available_ram, estimate, fit_mark
+    from edgellm.errors import GGUFError
     from edgellm.fsutil import human_size
-    from edgellm.engine.hardware import memory
+    from edgellm.gguf.reader import read_gguf
+    from edgellm.models.catalog import load_catalog
     from edgellm.models.store import Store
+    from quant.levels import level_estimate
 
     store = Store()
     models = store.list()
     catalog = [] if local else load_catalog().entries
+    ram = available_ram()
+    needs: dict[str, int] = {}
+    for m in models:
+        try:  # the header only: the same bytes the load guard will compute
+            needs[m.name] = estimate(read_gguf(m.path, check=False), ctx=DEFAULT_CTX).total_bytes
+        except (GGUFError, OSError):
+            needs[m.name] = 0
+    cat_needs = {e.name: level_estimate(e.parameters, e.default_level).total_bytes for e in catalog}
     if as_json:
+        keys = ("name", "path", "size_bytes", "sha256", "level", "source", "parent", "architecture", "parameters",
+                "context_length", "catalog")
         emit_json({
-            "models": [
-                {**{k: m.to_json()[k] for k in ("name", "path", "size_bytes", "sha256", "level", "source", "parent", "architecture", "parameters", "context_length", "catalog")},
-                 "link": m.link}
-                for m in models
-            ],
+            "ram_available_bytes": ram,
+            "ctx": DEFAULT_CTX,
+            "models": [{**{k: m.to_json()[k] for k in keys}, "ram_needed_bytes": needs[m.name],
+                        "fits": bool(needs[m.name]) and needs[m.name] <= ram, "link": m.link} for m in models],
             "catalog": [
                 {"name": e.name, "repo": e.repo, "levels": e.levels, "default_level": e.default_level, "parameters": e.parameters,
-                 "context_length": e.context_length, "license": e.license, "default": e.default}
+                 "context_length": e.context_length, "license": e.license, "default": e.default,
+                 "ram_needed_bytes": cat_needs[e.name], "fits": cat_needs[e.name] <= ram}
                 for e in catalog
             ],
         })
         return
-    click.echo(f"Local store ({store.home}):")
+    click.echo(f"Local store ({store.home}); fit: RAM needed at ctx {DEFAULT_CTX} vs {human_size(ram)} available "
+               "(✓ fits, ~ over 80%, ✗ too big):")
     if not models:
         click.echo("  (empty: `edgellm pull smollm2-135m-instruct` fetches the default model)")
     for m in models:
         lineage = f"  <- {m.parent}" if m.parent else ""
         lineage += f"  [linked: {m.link['mode']} to {m.link['origin']}]" if m.link else ""
-        click.echo(f"  {m.name:<40} {m.level:<8} {human_size(m.size_bytes):>9}  {m.source}{lineage}")
+        need = f"{fit_mark(needs[m.name], ram)} {human_size(needs[m.name]):>9}" if needs[m.name] else "? unreadable"
+        click.echo(f"  {m.name:<40} {m.level:<8} {human_size(m.size_bytes):>9}  {need}  {m.source}{lineage}")
     if catalog:
-        ram = memory().total_bytes
-        click.echo("\nCatalog (pull NAME[:LEVEL]):")
+        click.echo("\nCatalog (pull NAME[:LEVEL]; RAM needed at the default level, estimated from the parameters):")
         for e in catalog:
             mark = "*" if e.default else " "
-            # Rough fit mark: ~4.5 bits/weight at Q4_K_M plus 20% for KV and buffers.
-            fits = "fits" if e.parameters * 4.5 / 8 * 1.2 < ram else "too big"
-            click.echo(f" {mark}{e.name:<28} {e.parameters / 1e9:5.2f}B  ctx {e.context_length:<6} {e.license:<11} {fits:<7} levels: {', '.join(e.levels)}")
+            need = cat_needs[e.name]
+            click.echo(f" {mark}{e.name:<28} {e.parameters / 1e9:5.2f}B  ctx {e.context_length:<6} {e.license:<11} "
+                       f"{fit_mark(need, ram)} {human_size(need):>9}  levels: {', '.join(e.levels)}")
 
 
 def _pull_options(f):
@@ -107,22 +121,32 @@ def pull_cmd(ref, level, filename, offline, force, wheel, name, revision, as_jso
 
 @click.command("export")
 @click.argument("names", nargs=-1, required=True)
-@click.option("--to", "dest", required=True, type=click.Path(path_type=Path), help="New folder to write the bundle to.")
+@click.option("--to", "dest", required=True,
+              help="New folder for an air-gap bundle; or `ollama` (then NAME DIR) or `llama-server` (a folder with one of those names: ./ollama).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the manifest).")
-def export_cmd(names, dest: Path, as_json: bool) -> None:
-    """Write models and a manifest (sha256, sizes, lineage) to a folder, for an air gap.
+@click.option("--ctx", "n_ctx", type=click.IntRange(64, 1 << 20), default=None, help="ollama/llama-server: context size [default: the model's, at most 4096].")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None, help="llama-server: CPU threads [default: physical cores].")
+@click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="llama-server: KV cache type.")
+@click.option("--rpc", default=None, metavar="HOST:PORT[,...]", help="llama-server: split across these RPC workers.")
+def export_cmd(names, dest: str, as_json: bool, n_ctx, threads, kv_type, rpc) -> None:
+    """Write models and a manifest (sha256, sizes, lineage) to a folder, for an air gap;
+    or hand a model to Ollama or llama-server.
 
     \b
     Examples:
       edgellm export smollm2-135m-instruct-q4_1 --to /media/usb/models
       edgellm import /media/usb/models      # on the other machine
+      edgellm export smollm2-135m-instruct-q4_1 --to ollama ./smollm2-ollama   # GGUF + Modelfile
+      edgellm export smollm2-135m-instruct-q4_1 --to llama-server              # the command line
     """
     import json as _json
 
     from edgellm.models import bundle
 
+    if dest in ("ollama", "llama-server"):
+        return _handoff(dest, list(names), as_json, n_ctx=n_ctx, threads=threads, kv_type=kv_type, rpc=rpc)
     with running_job(not as_json) as (bar, token):
-        folder = bundle.export_bundle(list(names), dest, on_progress=bar, cancel=token)
+        folder = bundle.export_bundle(list(names), Path(dest), on_progress=bar, cancel=token)
     manifest = _json.loads((folder / bundle.MANIFEST).read_text(encoding="utf-8"))
     if as_json:
         emit_json({"path": str(folder), **manifest})
@@ -131,6 +155,30 @@ def export_cmd(names, dest: Path, as_json: bool) -> None:
 
         size = sum(m["size_bytes"] for m in manifest["models"])
         click.echo(f"exported {len(manifest['models'])} model(s), {human_size(size)}, to {folder}")
+
+
+def _handoff(target: str, names: list[str], as_json: bool, **kw) -> None:
+    from edgellm.chat import handoff
+    from edgellm.errors import UsageError
+
+    if target == "ollama":
+        if len(names) != 2:
+            raise UsageError("usage: edgellm export NAME --to ollama DIR")
+        with running_job(not as_json) as (bar, token):
+            res = handoff.export_ollama(names[0], Path(names[1]), n_ctx=kw["n_ctx"], on_progress=bar, cancel=token)
+        if as_json:
+            return emit_json(res)
+        click.echo(f"wrote {res['gguf']} and {res['modelfile']}")
+        click.echo(f"then: {res['create']}")
+        return
+    if len(names) != 1:
+        raise UsageError("usage: edgellm export NAME --to llama-server")
+    res = handoff.llama_server(names[0], **kw)
+    if as_json:
+        return emit_json(res)
+    click.echo(res["command_line"])
+    click.echo("\n# llama-swap (config.yaml):")
+    click.echo(res["llama_swap"], nl=False)
 
 
 @click.command("import")

@@ -209,7 +209,7 @@ class Runtime:
 
             self.rpc_plan = rpc_plan or rpc_native.plan_for(self.path, opts)
         with rpc_native.loading(self.rpc_plan, kw) if self.rpc_plan is not None else contextlib.nullcontext():
-            self.llm, self.load_log, self.gpu_plan = load_llama(kw, self.gpu_plan, name=self.path.name, verbose=opts.verbose,
+            self.llm, self.load_log, self.gpu_plan = load_llama(kw, self.gpu_plan, name=self.path.name, quiet=silence_native_stderr, verbose=opts.verbose,
                                                                 warn=warn or log.warning)
         self.n_gpu_layers = self.gpu_plan.n_gpu_layers if self.gpu_plan is not None else kw["n_gpu_layers"]
         self.load_seconds = time.perf_counter() - t0

@@ -51,6 +51,7 @@ from edgellm.fsutil import (
     sha256_file,
 )
 from edgellm.gguf.reader import GGUFInfo, read_gguf
+from edgellm.engine.memory import DEFAULT_CTX, MemoryEstimate, Shape, available_ram, estimate, shape_from_size
 from edgellm.models.transfer import RemoteFile, call, endpoint, fetch, resume_size, sidecar_file, verify
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
 from edgellm.models.store import ModelRecord, Store, validate_name
@@ -60,7 +61,6 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 HEADER_BYTES = 4 * MiB  # enough for the metadata and tensor table of most GGUFs
 HEADER_MAX = 32 * MiB  # large vocabularies (128k tokens + merges) need more
-DEFAULT_CTX = 2048  # RuntimeOptions' default; what `chat` and `serve` load with
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _SPLIT_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 _LEVEL_RE = re.compile(r"[-_.]((?:i?q\d[a-z0-9_]*)|f16|bf16|f32)(?:-\d{5}-of-\d{5})?\.gguf$", re.IGNORECASE)
@@ -96,16 +96,13 @@ class Preflight:
     disk_folder: str
     disk_free: int
     disk_needed: int  # download_bytes + margin
-    n_ctx: int
-    weights_bytes: int
-    kv_bytes: int
-    overhead_bytes: int
+    memory: MemoryEstimate
     ram_available: int
     kv_source: str = "gguf header"  # or "estimate"
 
     @property
     def ram_needed(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.overhead_bytes
+        return self.memory.total_bytes
 
     @property
     def fits_disk(self) -> bool:
@@ -119,14 +116,15 @@ class Preflight:
         kv = "" if self.kv_source == "gguf header" else f" ({self.kv_source})"
         return (
             f"disk: need {human_size(self.disk_needed)} (incl. {human_size(DISK_MARGIN)} margin), "
-            f"{human_size(self.disk_free)} free; RAM: need ~{human_size(self.ram_needed)} "
-            f"(weights {human_size(self.weights_bytes)} + KV cache {human_size(self.kv_bytes)}{kv} at ctx {self.n_ctx} "
-            f"+ overhead {human_size(self.overhead_bytes)}), {human_size(self.ram_available)} available"
+            f"{human_size(self.disk_free)} free; RAM: {self.memory.describe()}{kv}, "
+            f"{human_size(self.ram_available)} available"
         )
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(ram_needed=self.ram_needed, fits_disk=self.fits_disk, fits_ram=self.fits_ram)
+        del d["memory"]
+        d.update(self.memory.to_json(), n_ctx=self.memory.ctx, ram_needed=self.ram_needed, fits_disk=self.fits_disk,
+                 fits_ram=self.fits_ram)
         return d
 
 
@@ -353,9 +351,7 @@ def _download_and_register(store: Store, target: Target, name: str, commit: str,
         if on_preflight:
             on_preflight(pf)
         if not pf.fits_ram:
-            msg = (f"{name} may not fit in RAM: needs ~{human_size(pf.ram_needed)} at ctx {pf.n_ctx} "
-                   f"(weights {human_size(pf.weights_bytes)} + KV {human_size(pf.kv_bytes)} + overhead {human_size(pf.overhead_bytes)}), "
-                   f"{human_size(pf.ram_available)} available")
+            msg = f"{name} may not fit in RAM: {pf.memory.describe()}, {human_size(pf.ram_available)} available"
             if not force:
                 raise InsufficientResources(msg + "; pass --force to pull anyway")
             log.warning("%s; pulling anyway (--force)", msg)
@@ -412,18 +408,15 @@ def _record(store: Store, name: str, finals: list[Path], shas: dict[str, str], t
 
 def _preflight_ram(dl: Path, files: list[RemoteFile], cached: dict, fetch_header, *, total: int, remaining: int,
                    disk_free: int) -> Preflight:
-    from edgellm.engine.hardware import available_ram
-
     first = files[0]
     info = _header_info(dl, first, cached.get(first.sha256), fetch_header)
     n_ctx = min(DEFAULT_CTX, info.context_length) if info and info.context_length else DEFAULT_CTX
     if info is not None and info.block_count:
-        kv, source = info.kv_cache_bytes(n_ctx), "gguf header"
-        vocab = info.vocab_size or 32000
+        # the first shard's header has the shape; the weights are all shards together
+        shape, source = Shape.of(info, tensor_bytes=total), "gguf header"
     else:
-        kv, source, vocab = total // 10, "estimate", 32000
-    overhead = 128 * MiB + 4 * vocab * min(512, n_ctx)  # compute buffers and the logits of one batch
-    return Preflight(total, remaining, str(dl), disk_free, remaining + DISK_MARGIN, n_ctx, total, kv, overhead,
+        shape, source = shape_from_size(total, int(total * 8 / 4.5)), "estimate"
+    return Preflight(total, remaining, str(dl), disk_free, remaining + DISK_MARGIN, estimate(shape, ctx=n_ctx),
                      available_ram(), source)
 
 

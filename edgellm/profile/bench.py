@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from edgellm.engine.memory import kv_bytes_per_token
 from edgellm.errors import BackendCrash, Cancelled, RuntimeFailure, UsageError
 from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
 
@@ -176,7 +177,7 @@ def bench(
                 n_gpu_layers=r.get("offloaded_layers", 0), use_mmap=use_mmap, mlock=mlock, samples_ns=r["samples_ns"],
                 avg_ts=r["avg_ts"], stddev_ts=r["stddev_ts"], rss_bytes=r["rss_bytes"],
                 file_backed_bytes=r["file_backed_bytes"], anon_bytes=r["anon_bytes"],
-                kv_bytes=int(info.kv_cache_bytes(r["n_ctx"])), kv_buffer_bytes=r["kv_buffer_bytes"],
+                kv_bytes=kv_bytes_per_token(info) * r["n_ctx"], kv_buffer_bytes=r["kv_buffer_bytes"],
                 compute_buffer_bytes=r["compute_buffer_bytes"], output_buffer_bytes=r["output_buffer_bytes"],
                 load_seconds=done["load_seconds"], ttft_seconds=done["ttft_seconds"],
                 file_bytes=sum(Path(f).stat().st_size for f in files), machine_id=mid, timestamp=stamp,

@@ -1,0 +1,173 @@
+"""How much memory a loaded model takes: the one estimate every number comes from.
+
+`recommend`, `models list`, the Hub preflight, the TUI's fit marks, the load
+guard and the GPU offload plan all call `estimate()`, so they cannot
+disagree. The parts follow what llama.cpp allocates on the CPU backend
+(checked against its own log lines, `model buffer`, `KV buffer`,
+`compute buffer`, for SmolLM2-135M at ctx 512-8192):
+
+- weights: the GGUF's tensor bytes (mmapped; they count in RSS once read);
+- KV cache: 2 (K and V) x layers x ctx x n_embd_kv x bytes per element of
+  the cache type (llama.cpp clears the buffer at load, so all of it is resident);
+- compute buffers: sized for one micro-batch (n_ubatch tokens): the larger of
+  the logits (n_vocab floats per token) and the attention scores (ctx x
+  n_head floats per token), plus a few activation rows of n_embd;
+- the process itself: Python, numpy and llama.cpp's code (`PROCESS_BYTES`,
+  measured: ~45 MiB for `python -c "import llama_cpp"`, ~60 MiB for the CLI).
+
+The estimate is the peak: a prompt of n_ubatch tokens touches the whole
+compute buffer. A short chat turn stays below it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+from edgellm.errors import InsufficientResources
+from edgellm.fsutil import human_size
+
+# The one default context: chat, serve, the TUI, recommend and the Hub preflight.
+DEFAULT_CTX = 4096
+DEFAULT_UBATCH = 512
+MiB = 1 << 20
+PROCESS_BYTES = 64 * MiB
+
+# Bytes per K/V element for each cache type (ggml block bytes / elements per block).
+KV_BYTES_PER_ELEM = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
+                     "q4_1": 20 / 32, "q4_0": 18 / 32}
+
+
+class ModelShape(Protocol):
+    """What the estimate reads from a model: `GGUFInfo` has all of it."""
+
+    tensor_bytes: int
+    block_count: int
+    embedding_length: int
+    head_count: int
+    head_count_kv: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights_bytes: int
+    kv_bytes: int
+    compute_bytes: int
+    process_bytes: int
+    ctx: int
+    kv_type: str
+    n_layers: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.compute_bytes + self.process_bytes
+
+    def per_layer_bytes(self) -> int:
+        """Weights and KV cache of one repeating layer: what offloading one layer moves."""
+        if not self.n_layers:
+            return 0
+        return (self.weights_bytes + self.kv_bytes) // self.n_layers
+
+    def describe(self) -> str:
+        return (f"needs ~{human_size(self.total_bytes)} at ctx {self.ctx} (weights {human_size(self.weights_bytes)}"
+                f" + KV cache {human_size(self.kv_bytes)} {self.kv_type} + compute {human_size(self.compute_bytes)}"
+                f" + process {human_size(self.process_bytes)})")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"total_bytes": self.total_bytes, "weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes,
+                "compute_bytes": self.compute_bytes, "process_bytes": self.process_bytes, "ctx": self.ctx,
+                "kv_type": self.kv_type}
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_type: str = "f16") -> int:
+    if not (shape.head_count and shape.embedding_length and shape.block_count):
+        return 0
+    head_dim = shape.embedding_length // shape.head_count
+    n_kv = shape.head_count_kv or shape.head_count
+    return int(2 * shape.block_count * n_kv * head_dim * KV_BYTES_PER_ELEM.get(kv_type, 2.0))
+
+
+def estimate(shape: ModelShape, *, ctx: int = DEFAULT_CTX, kv_type: str = "f16",
+             n_ubatch: int = DEFAULT_UBATCH) -> MemoryEstimate:
+    """Peak memory of one process holding this model at `ctx` with a `kv_type` cache."""
+    ub = max(1, min(n_ubatch, ctx))
+    n_vocab = shape.vocab_size or 32000
+    n_head = shape.head_count or 1
+    n_embd = shape.embedding_length or 0
+    # The graph's biggest live tensors: the logits, or the attention scores
+    # and their softmax (~15% more at long ctx); plus a few activation rows.
+    compute = 4 * ub * max(n_vocab, int(1.15 * ctx * n_head)) + 3 * 4 * ub * n_embd
+    return MemoryEstimate(
+        weights_bytes=int(shape.tensor_bytes),
+        kv_bytes=kv_bytes_per_token(shape, kv_type) * ctx,
+        compute_bytes=compute,
+        process_bytes=PROCESS_BYTES,
+        ctx=ctx,
+        kv_type=kv_type,
+        n_layers=shape.block_count,
+    )
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A `ModelShape` of plain numbers: a GGUF header's with other weights
+    (all shards of a split model), or a guess from size and parameters."""
+
+    tensor_bytes: int
+    block_count: int
+    embedding_length: int
+    head_count: int
+    head_count_kv: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, shape: ModelShape, *, tensor_bytes: Optional[int] = None) -> "Shape":
+        return cls(shape.tensor_bytes if tensor_bytes is None else tensor_bytes, shape.block_count,
+                   shape.embedding_length, shape.head_count, shape.head_count_kv, shape.vocab_size)
+
+
+def shape_from_size(size_bytes: int, parameters: int) -> Shape:
+    """A rough shape for a model known only by size and parameters (a catalog
+    entry not downloaded yet). Only the KV cache depends on the guess; once
+    the GGUF header is known, the real shape is used."""
+    # ~12 x layers x width^2 parameters, layers growing slowly with size;
+    # grouped-query attention with 4 query heads per KV head.
+    n_layer = max(12, min(80, int(round(4.2 * (parameters / 1e6) ** 0.25))))
+    n_embd = max(512, int((parameters / (12 * n_layer)) ** 0.5) // 64 * 64)
+    n_head = max(8, n_embd // 128)
+    return Shape(int(size_bytes), n_layer, n_embd, n_head, max(1, n_head // 4), 128000)
+
+
+def available_ram() -> int:
+    override = os.environ.get("EDGELLM_FAKE_AVAILABLE_RAM")
+    if override:  # lets tests exercise the guard without a machine that is short of RAM
+        return int(override)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def fit_mark(need: int, ram: int) -> str:
+    """✓ fits with room, ~ tight (over 80% of `ram`), ✗ does not fit: the TUI's and `models list`'s mark."""
+    if need <= 0.8 * ram:
+        return "✓"
+    return "~" if need <= ram else "✗"
+
+
+def check_fits(est: MemoryEstimate, what: str, *, force: bool = False, available: Optional[int] = None,
+               warn=None) -> None:
+    """Refuse a load that would not fit in RAM, unless forced.
+
+    mmap would let such a model start, then page weights in and out of disk
+    for every token: minutes per reply.
+    """
+    avail = available_ram() if available is None else available
+    if est.total_bytes <= avail:
+        return
+    msg = f"{what} {est.describe()}, {human_size(avail)} available"
+    if not force:
+        raise InsufficientResources(f"{msg}; use a smaller level or --ctx, or --force")
+    if warn is not None:
+        warn(f"{msg}; loading anyway (--force)")
