@@ -169,6 +169,28 @@ def test_every_input_is_labelled(default_model):
     assert unlabelled == []
 
 
+def test_fit_marks_use_the_bytes_models_list_reports(default_model, cli, monkeypatch):
+    """The store's fit mark flips from ~ to ✗ at exactly the RAM `models list --json` says the model needs."""
+    from textual.widgets import DataTable
+
+    listed = cli("models", "list", "--json", "--local")
+    assert listed.exit_code == 0, listed
+    need = next(m["ram_needed_bytes"] for m in listed.json()["models"] if m["name"] == DEFAULT_NAME)
+    assert need > default_model.size_bytes  # weights and more
+
+    async def mark(ram: int) -> tuple[str, str]:
+        monkeypatch.setenv("EDGELLM_FAKE_AVAILABLE_RAM", str(ram))
+        app = make()
+        async with app.run_test(size=SIZE) as pilot:
+            await settled(pilot)
+            row = app.screen.query_one("#store", DataTable).get_row(DEFAULT_NAME)
+            return row[1], screen_text(app)
+
+    (at_need, text), (below, _) = asyncio.run(mark(need)), asyncio.run(mark(need - 1))
+    assert (at_need, below) == ("~", "✗")
+    assert "Fit: RAM needed at ctx 4096" in text
+
+
 def test_import_through_the_dialog(default_gguf, edgellm_home):
     from textual.widgets import DataTable
 
