@@ -28,6 +28,8 @@ from edgellm.engine.memory import Shape, estimate, kv_bytes_per_token, shape_fro
 from edgellm.errors import GGUFError
 from edgellm.fsutil import atomic_path, atomic_write_text, human_size
 from edgellm.gguf.reader import read_gguf
+from edgellm.plot import pyplot
+from edgellm.profile.bench import load_bench_results
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
 
 from quant.kld import DEFAULT_TAIL_SAMPLES, DEFAULT_TOPK, BaseLogProbs, KLDAccumulator
@@ -401,18 +403,12 @@ def load_eval_results() -> list[EvalReport]:
 
 def write_plot(report: EvalReport, path: Path | str) -> Path:
     """PNG: file size vs mean KLD (left) and vs ΔPPL % (right), one point per level."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise EvalError("--plot needs matplotlib (pip install matplotlib)") from None
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise UsageError(f"--plot writes a PNG; give a path ending in .png, not {path.name}")
+    plt = pyplot()
     lv = sorted(report.levels, key=lambda x: x.size_bytes)
-    mb = [x.size_bytes / 2**20 for x in lv]
+    mb = [x.size_bytes / 1e6 for x in lv]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
     for ax, vals, err, ylabel in (
         (axes[0], [x.kld_mean for x in lv], [x.kld_err for x in lv], "mean KLD vs base (nats)"),
@@ -422,7 +418,7 @@ def write_plot(report: EvalReport, path: Path | str) -> Path:
         ax.errorbar(mb, vals, yerr=err, fmt="o-", capsize=3)
         for x, y, t in zip(mb, vals, lv):
             ax.annotate(t.level, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
-        ax.set_xlabel("file size (MiB)")
+        ax.set_xlabel("file size (MB)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     fig.suptitle(f"{report.base} ({report.base_level}, PPL {report.base_ppl:.2f}) — {report.corpus}, ctx {report.ctx}, "
@@ -487,10 +483,6 @@ def need_bytes(report: EvalReport, lv: LevelEval, ctx: int) -> int:
 
 
 def _bench_speeds() -> dict[str, float]:
-    try:
-        from edgellm.profile.bench import load_bench_results
-    except ImportError:
-        return {}
     speeds: dict[str, float] = {}
     try:
         for row in load_bench_results():

@@ -11,7 +11,6 @@ import json
 import os
 import struct
 import time
-import zlib
 from pathlib import Path
 
 import pytest
@@ -128,24 +127,6 @@ def test_text_csv_md_and_plot(cli, default_model, tmp_path):
     assert res.exit_code == 0, res
     lines = res.stdout.strip().splitlines()
     assert lines[0].startswith("| model |") and lines[1].startswith("|---") and "pp16" in lines[2]
-
-
-def test_png_fallback_writer_draws_bars():
-    """The numpy + zlib writer used when matplotlib is absent: valid PNG, bars of the right relative height."""
-    from edgellm._png import bar_chart_png
-
-    data = bar_chart_png(["a", "b"], {"pp": [(100.0, 0.0), (50.0, 0.0)]})
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    w, h = struct.unpack(">II", data[16:24])
-    idat = data[33 + 8: 33 + 8 + struct.unpack(">I", data[33:37])[0]]
-    raw = zlib.decompress(idat)
-    import numpy as np
-
-    img = np.frombuffer(raw, dtype=np.uint8).reshape(h, w * 3 + 1)[:, 1:].reshape(h, w, 3)
-    blue = np.all(img == (66, 133, 244), axis=2)
-    cols = blue.sum(axis=0)
-    heights = sorted({int(c) for c in cols if c})
-    assert len(heights) == 2 and heights[1] == pytest.approx(2 * heights[0], abs=2)
 
 
 def test_compare_llama_bench(cli, default_model, llama_tools, monkeypatch):

@@ -71,18 +71,6 @@ def cpu_features() -> list[str]:
     return [name for key, name in table.items() if key in flags]
 
 
-def llama_versions() -> dict[str, str]:
-    import llama_cpp
-
-    out = {"llama_cpp_python": getattr(llama_cpp, "__version__", "?")}
-    # The vendored llama.cpp commit is not exported; the build number is in ggml.
-    try:
-        out["llama_cpp_build"] = _system_info().get("build", "")
-    except Exception:
-        pass
-    return out
-
-
 def _system_info() -> dict[str, str]:
     import llama_cpp
 

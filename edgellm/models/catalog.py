@@ -57,10 +57,6 @@ class CatalogEntry:
             lv.append(self.package.level)
         return lv
 
-    def has_level(self, level: str) -> bool:
-        return level.lower() in self.levels
-
-
 @dataclass
 class Catalog:
     entries: list[CatalogEntry] = field(default_factory=list)

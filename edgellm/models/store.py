@@ -223,16 +223,6 @@ class Store:
             if got != sha:
                 raise IntegrityError(f"model '{name}': {p} has sha256 {got[:12]}..., expected {sha[:12]}...")
 
-    def unique_name(self, base: str) -> str:
-        names = {m.name for m in self.list()}
-        if base not in names:
-            return base
-        i = 2
-        while f"{base}-{i}" in names:
-            i += 1
-        return f"{base}-{i}"
-
-
 def copy_into_store(store: Store, src: Path, name: str, *, filename: Optional[str] = None, on_progress=None, cancel=None) -> tuple[Path, int, str]:
     """Copy a file into the store's folder for `name`, hashing on the way."""
     from edgellm.fsutil import atomic_path, check_free_disk, copy_with_sha256

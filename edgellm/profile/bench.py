@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from edgellm.engine.memory import kv_bytes_per_token
+from edgellm.plot import pyplot
 from edgellm.errors import BackendCrash, Cancelled, RuntimeFailure, UsageError
 from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
 
@@ -493,26 +494,17 @@ def write_plot(rows: Sequence[BenchRow], path: Path | str) -> Path:
     levels = [next(r.model_type for r in rows if r.model == m) for m in labels]
     if len(set(levels)) == len(levels) and all(levels):
         labels = levels  # "tokens/s per level" reads best with the level alone
+    plt = pyplot()
     with atomic_path(path) as tmp:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            from edgellm._png import bar_chart_png
-
-            tmp.write_bytes(bar_chart_png(labels, series, title="tokens/s"))
-        else:
-            fig, axes = plt.subplots(1, len(tests), figsize=(4 * len(tests), 3.5), squeeze=False)
-            for ax, t in zip(axes[0], tests):
-                vals = series[t]
-                ax.bar(range(len(labels)), [v for v, _ in vals], yerr=[s for _, s in vals], capsize=3)
-                ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
-                ax.set_title(f"{t} tokens/s")
-            fig.tight_layout()
-            fig.savefig(tmp, format="png", dpi=100)
-            plt.close(fig)
+        fig, axes = plt.subplots(1, len(tests), figsize=(4 * len(tests), 3.5), squeeze=False)
+        for ax, t in zip(axes[0], tests):
+            vals = series[t]
+            ax.bar(range(len(labels)), [v for v, _ in vals], yerr=[s for _, s in vals], capsize=3)
+            ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
+            ax.set_title(f"{t} tokens/s")
+        fig.tight_layout()
+        fig.savefig(tmp, format="png", dpi=100)
+        plt.close(fig)
     return path
 
 

@@ -34,10 +34,7 @@ from edgellm.errors import EdgeLLMError, UsageError
 from edgellm.progress import CancelToken
 from edgellm.engine.runtime import Runtime, RuntimeOptions, SamplingParams
 
-try:  # the RAM estimate's default context, where that module exists
-    from edgellm.engine.memory import DEFAULT_CTX
-except ImportError:  # pragma: no cover
-    DEFAULT_CTX = 4096
+from edgellm.engine.memory import DEFAULT_CTX
 
 log = logging.getLogger(__name__)
 
