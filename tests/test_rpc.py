@@ -265,7 +265,7 @@ def _post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
 def test_killing_a_worker_mid_request_gives_serve_a_503_and_no_hang(default_model):
     a, b = Worker(), Worker()
     port = free_port()
-    server = subprocess.Popen(cli_argv("serve", DEFAULT_NAME, "--port", port, "--threads", "1", "--ctx", "1024",
+    server = subprocess.Popen(cli_argv("serve", DEFAULT_NAME, "--port", port, "--threads", "1", "--ctx", "1024", "--parallel", "1",
                                        "--rpc", f"{a.address},{b.address}"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
