@@ -251,8 +251,14 @@ def evaluate(
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
     save: bool = True,
+    rpc: Optional[str] = None,
+    rpc_split: Optional[str] = None,
+    on_rpc_plan: Any = None,
 ) -> EvalReport:
-    """PPL, ΔPPL and KLD of each level against `base_ref`, saved under the results folder."""
+    """PPL, ΔPPL and KLD of each level against `base_ref`, saved under the results folder.
+
+    With `rpc` (HOST:PORT[,...]) every model is split across those llama.cpp RPC workers, each
+    planned (and `on_rpc_plan(plan)` told) before it loads."""
     from edgellm.models.resolve import resolve
     from edgellm.models.store import Store
 
@@ -275,8 +281,18 @@ def evaluate(
     n_seq = max(1, batch // ctx)
     n_batch = min(batch, n_seq * ctx)
 
+    def runner_for(path: Path) -> LogitsRunner:
+        plan = None
+        if rpc:
+            from edgellm.engine.rpc import prepare
+
+            plan = prepare(path, rpc, n_ctx=ctx * n_seq, split=rpc_split)
+            if on_rpc_plan is not None:
+                on_rpc_plan(plan)
+        return LogitsRunner(path, n_ctx=ctx, n_seq=n_seq, n_batch=n_batch, threads=threads, rpc_plan=plan)
+
     # Tokenize (and refuse a short text) before spending minutes on quantizing.
-    with LogitsRunner(base.path, n_ctx=ctx, n_seq=n_seq, n_batch=n_batch, threads=threads) as runner:
+    with runner_for(base.path) as runner:
         tokens = runner.tokenize(src.data)
         plan = plan_chunks(len(tokens), ctx, chunks, batch)
         n_vocab = runner.n_vocab
@@ -313,7 +329,7 @@ def evaluate(
         def keep(idx, logits, targets_, nll, sm) -> None:
             base_lp.add_chunk(idx * per, logits, targets_, nll, sm, seed=idx)
 
-        with LogitsRunner(base.path, n_ctx=ctx, n_seq=n_seq, n_batch=n_batch, threads=threads) as runner:
+        with runner_for(base.path) as runner:
             s, s2, count, secs = score(runner, tokens, plan, task=f"eval {base.label} (base)", on_chunk=keep,
                                        on_progress=on_progress, cancel=cancel)
         base_ppl, base_err = ppl_with_error(s, s2, count)
@@ -331,7 +347,7 @@ def evaluate(
         def compare(idx, logits, targets_, nll, sm, acc=acc) -> None:
             acc.add_chunk(idx * per, logits, nll, sm)
 
-        with LogitsRunner(t.path, n_ctx=ctx, n_seq=n_seq, n_batch=n_batch, threads=threads) as runner:
+        with runner_for(t.path) as runner:
             if runner.n_vocab != n_vocab or not _same_tokens(runner.tokenize(src.data[:4096]), for_check):
                 raise EvalError(f"{t.name} tokenizes the text differently from the base {base.label} (a different vocabulary); "
                                 "KL divergence needs the same vocabulary")

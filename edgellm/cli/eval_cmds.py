@@ -75,7 +75,8 @@ def ppl_cmd(model, text, corpus, ctx, chunks, batch, threads, as_json, no_progre
               help="Comma-separated levels (quantized from BASE when the store lacks them) or model names/paths.")
 @_text_options
 @click.option("--plot", "plot", type=click.Path(path_type=Path), default=None, help="Write a PNG of size vs mean KLD and vs ΔPPL.")
-def eval_cmd(base, levels, text, corpus, ctx, chunks, batch, threads, as_json, no_progress, plot) -> None:
+@rpc_options
+def eval_cmd(base, levels, text, corpus, ctx, chunks, batch, threads, as_json, no_progress, plot, rpc=None, rpc_split=None) -> None:
     """Quality loss of each level of BASE: PPL ± err, ΔPPL, KL divergence, same top token.
 
     The base is evaluated once (its log-probs kept compactly), then each level
@@ -90,9 +91,12 @@ def eval_cmd(base, levels, text, corpus, ctx, chunks, batch, threads, as_json, n
 
     _check_source(text, corpus)
     items = [s.strip() for s in levels.split(",") if s.strip()]
+    if rpc_split and not rpc:
+        prepare_rpc(None, rpc, rpc_split, n_ctx=ctx)  # the one-line "--split needs --rpc"
+    rpc_kw = {"rpc": rpc, "rpc_split": rpc_split, "on_rpc_plan": lambda p: click.echo("\n".join(p.lines()), err=True)} if rpc else {}
     with running_job(not no_progress and not as_json) as (bar, token):
         report = evaluate(base, items, text=text, corpus=corpus, ctx=ctx, chunks=chunks, batch=batch, threads=threads,
-                          on_progress=bar, cancel=token)
+                          on_progress=bar, cancel=token, **rpc_kw)
     for w in report.warnings:
         click.echo(f"warning: {w}", err=True)
     if plot is not None:
