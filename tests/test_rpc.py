@@ -262,10 +262,15 @@ def _post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def _active(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+        return sum(m.get("active", 0) for m in json.loads(r.read())["models"].values())
+
+
 def test_killing_a_worker_mid_request_gives_serve_a_503_and_no_hang(default_model):
     a, b = Worker(), Worker()
     port = free_port()
-    server = subprocess.Popen(cli_argv("serve", DEFAULT_NAME, "--port", port, "--threads", "1", "--ctx", "1024", "--parallel", "1",
+    server = subprocess.Popen(cli_argv("serve", DEFAULT_NAME, "--port", port, "--threads", "1", "--ctx", "2048", "--parallel", "1",
                                        "--rpc", f"{a.address},{b.address}"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -274,11 +279,14 @@ def test_killing_a_worker_mid_request_gives_serve_a_503_and_no_hang(default_mode
         status, body = _post(url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})  # loads the model
         assert status == 200, body
         box: list = []
-        long_req = {"messages": [{"role": "user", "content": "Count from 1 to 300, separated by commas."}],
-                    "max_tokens": 600, "temperature": 0}
+        long_req = {"messages": [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}],
+                    "max_tokens": 1500, "temperature": 0}
         t = threading.Thread(target=lambda: box.append(_post(url, long_req)), daemon=True)
         t.start()
-        time.sleep(3)  # inside the prompt or the reply: llama.cpp is waiting on the workers
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _active(port):  # seated in the engine: llama.cpp is on the workers
+            time.sleep(0.1)
+        time.sleep(0.5)
         assert t.is_alive(), box
         b.proc.kill()
         t0 = time.monotonic()
