@@ -22,23 +22,20 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from edgellm import paths
-from edgellm.errors import EvalError, InsufficientResources, UsageError
-from edgellm.engine.memory import DEFAULT_CTX as MEMORY_CTX
-from edgellm.engine.memory import Shape, estimate, kv_bytes_per_token, shape_from_size
-from edgellm.errors import GGUFError
-from edgellm.fsutil import atomic_path, atomic_write_text, human_size
+from edgellm.errors import EvalError, UsageError
+from edgellm.engine.memory import Shape, kv_bytes_per_token
+from edgellm.fsutil import atomic_path, atomic_write_text
 from edgellm.gguf.reader import read_gguf
 from edgellm.plot import pyplot
-from edgellm.profile.bench import load_bench_results
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
 
+from quant.corpus import load_text
 from quant.kld import DEFAULT_TAIL_SAMPLES, DEFAULT_TOPK, BaseLogProbs, KLDAccumulator
 from quant.perplexity import (
     DEFAULT_BATCH,
     DEFAULT_CTX,
     LogitsRunner,
     check_options,
-    load_text,
     plan_chunks,
     ppl_with_error,
     score,
@@ -446,114 +443,5 @@ def write_plot(report: EvalReport, path: Path | str) -> Path:
     return path
 
 
-# -- recommend ----------------------------------------------------------------
-
-
-@dataclass
-class Candidate:
-    base: str
-    level: str
-    name: str
-    size_bytes: int
-    need_bytes: int  # edgellm.engine.memory.estimate(...).total_bytes at ctx
-    kld_mean: float
-    dppl_pct: float
-    same_top_p: float
-    eval_tokens_per_second: float
-    gen_tokens_per_second: Optional[float]  # from `edgellm bench`, when measured
-    corpus: str
-    fits: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
-
-
-@dataclass
-class Recommendation:
-    ram_bytes: int
-    ctx: int
-    best: Candidate
-    runner_up: Optional[Candidate]
-    considered: list[Candidate]
-    reason: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"ram_bytes": self.ram_bytes, "ctx": self.ctx, "best": self.best.to_json(),
-                "runner_up": self.runner_up.to_json() if self.runner_up else None,
-                "considered": [c.to_json() for c in self.considered], "reason": self.reason}
-
-
-def need_bytes(report: EvalReport, lv: LevelEval, ctx: int) -> int:
-    """What loading `lv` at `ctx` needs: from its GGUF header while the file
-    is there (the very figure the load guard computes), else from the shape
-    saved with the report."""
-    try:
-        return estimate(read_gguf(lv.path, check=False), ctx=ctx).total_bytes
-    except (GGUFError, OSError):
-        pass
-    if report.shape:
-        shape = Shape(**{**report.shape, "tensor_bytes": lv.size_bytes})
-    else:
-        shape = shape_from_size(lv.size_bytes, report.parameters)
-    return estimate(shape, ctx=ctx).total_bytes
-
-
-def _bench_speeds() -> dict[str, float]:
-    speeds: dict[str, float] = {}
-    try:
-        for row in load_bench_results():
-            if str(row.get("test", "")).startswith("tg") and row.get("model") and row.get("avg_ts"):
-                speeds.setdefault(str(row["model"]), float(row["avg_ts"]))
-    except Exception as e:  # bench results are a bonus, never a failure
-        log.debug("bench results unreadable: %s", e)
-    return speeds
-
-
-def recommend(ram_bytes: Optional[int] = None, ctx: Optional[int] = None) -> Recommendation:
-    """The lowest-loss measured level that fits in `ram_bytes` (default: available RAM) at `ctx`.
-
-    Candidates: per base and level, the saved measurement over the most
-    tokens (the newest on a tie); a larger model
-    that fits ranks before a smaller one, then lower mean KLD wins. The
-    runner-up is the next candidate that fits (usually smaller and faster).
-    """
-    from edgellm.engine.hardware import memory
-
-    if ram_bytes is not None and ram_bytes <= 0:
-        raise UsageError("--ram must be positive")
-    if ctx is not None and ctx < 16:
-        raise UsageError(f"--ctx {ctx} is too small (at least 16)")
-    reports = load_eval_results()
-    if not reports:
-        raise EvalError("no saved eval results; run `edgellm eval BASE --levels q4_0,q4_k_m,q5_k_m,q8_0` first")
-    ram = int(ram_bytes if ram_bytes is not None else memory().available_bytes)
-    n_ctx = int(ctx or MEMORY_CTX)
-    # Per (base, level): the measurement over the most tokens, the newest on a tie.
-    chosen: dict[tuple[str, str], tuple[EvalReport, LevelEval]] = {}
-    for r in sorted(reports, key=lambda r: (r.n_tokens_scored, r.created), reverse=True):
-        for lv in r.levels:
-            chosen.setdefault((r.base, lv.level), (r, lv))
-    speeds = _bench_speeds()
-    cands: list[tuple[int, Candidate]] = []
-    for r, lv in chosen.values():
-        need = need_bytes(r, lv, n_ctx)
-        cands.append((r.parameters, Candidate(
-            base=r.base, level=lv.level, name=lv.name, size_bytes=lv.size_bytes, need_bytes=need, kld_mean=lv.kld_mean,
-            dppl_pct=lv.dppl_pct, same_top_p=lv.same_top_p, eval_tokens_per_second=lv.tokens_per_second,
-            gen_tokens_per_second=speeds.get(lv.name), corpus=f"{r.corpus}, ctx {r.ctx}, {r.chunks} chunks", fits=need <= ram)))
-    fitting = sorted((c for c in cands if c[1].fits), key=lambda pc: (-pc[0], pc[1].kld_mean))
-    considered = [c for _, c in sorted(cands, key=lambda pc: (-pc[0], pc[1].kld_mean))]
-    if not fitting:
-        smallest = min((c for _, c in cands), key=lambda c: c.need_bytes)
-        raise InsufficientResources(
-            f"no evaluated level fits in {human_size(ram)} at ctx {n_ctx}: the smallest, {smallest.name}, "
-            f"needs {human_size(smallest.need_bytes)} (weights + KV cache + compute + process)")
-    best = fitting[0][1]
-    runner = fitting[1][1] if len(fitting) > 1 else None
-    reason = (f"{best.level} is the lowest-loss level of {best.base} that fits: mean KLD {best.kld_mean:.4f}, "
-              f"ΔPPL {best.dppl_pct:+.2f}%, needs {human_size(best.need_bytes)} of {human_size(ram)} at ctx {n_ctx}")
-    return Recommendation(ram_bytes=ram, ctx=n_ctx, best=best, runner_up=runner, considered=considered, reason=reason)
-
-
-__all__ = ["evaluate", "EvalReport", "LevelEval", "load_eval_results", "save_report", "write_plot", "recommend",
-           "Recommendation", "Candidate", "lineage_warning", "results_folder", "need_bytes"]
+__all__ = ["evaluate", "EvalReport", "LevelEval", "load_eval_results", "save_report", "write_plot",
+           "lineage_warning", "results_folder"]

@@ -60,7 +60,7 @@ CALIBRATION_LABEL = "edgellm-calibration.txt"
 
 def calibration_text() -> Any:
     """The text shipped with the package (quant/data/calibration.txt; see its header for the licence)."""
-    from quant.perplexity import Text
+    from quant.corpus import Text
 
     data = resources.files("quant").joinpath("data/calibration.txt").read_bytes()
     if data.endswith(b"\n"):  # as llama.cpp's -f reads a file
@@ -123,7 +123,8 @@ def compute_imatrix(
     """Compute MODEL's importance matrix on `text` (default: the shipped calibration text) and store it."""
     from edgellm.models.resolve import resolve
     from edgellm.models.store import Store, validate_name
-    from quant.perplexity import load_text, plan_chunks
+    from quant.corpus import load_text
+    from quant.perplexity import plan_chunks
 
     if ctx < 16:
         raise UsageError(f"--ctx {ctx} is too small (at least 16)")

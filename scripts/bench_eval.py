@@ -58,7 +58,7 @@ def main() -> None:
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from edgellm.engine.hardware import cpu_model
-    from edgellm.profile.bench import find_llama_tool
+    from edgellm.profile.llama_bench import find_llama_tool
     from edgellm.engine.runtime import default_threads
 
     threads = a.threads or default_threads()

@@ -77,7 +77,7 @@ def main() -> int:
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-quantize-"))
     os.environ["EDGELLM_HOME"] = str(scratch / "home")
-    from edgellm.profile.bench import find_llama_tool
+    from edgellm.profile.llama_bench import find_llama_tool
     from edgellm.engine.runtime import default_threads
     from quant.levels import parse_level
     from quant.quantize import quantize

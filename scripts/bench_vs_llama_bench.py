@@ -80,7 +80,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
 
-    from edgellm.profile.bench import bench, find_llama_bench, measure_bandwidth_now, run_llama_bench
+    from edgellm.profile.bench import bench, measure_bandwidth_now
+    from edgellm.profile.llama_bench import find_llama_bench, run_llama_bench
 
     src = args.source or default_source()
     levels = [lv.strip().lower() for lv in args.levels.split(",") if lv.strip()]

@@ -53,7 +53,7 @@ def main() -> int:
     a = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from edgellm.profile.bench import find_llama_bench
+    from edgellm.profile.llama_bench import find_llama_bench
 
     bin_dir = str(find_llama_bench().parent)
     if not (Path(bin_dir) / "libllama-bench-impl.so").is_file():

@@ -62,7 +62,7 @@ def test_json_rows_use_llama_bench_fields(cli, default_model, edgellm_home):
     assert pp["roofline_ts"] is None
 
     # saved per model and machine, atomically, and readable back
-    from edgellm.profile.bench import load_bench_results, machine_id
+    from edgellm.profile.results import load_bench_results, machine_id
 
     saved = list((edgellm_home / "results" / "bench").iterdir())
     assert [p.name for p in saved] == [f"{DEFAULT_NAME}-{machine_id()}.json"]
@@ -190,7 +190,7 @@ def test_cancel_stops_the_child(default_gguf):
 def test_live_sampler_rate_and_rss():
     import psutil
 
-    from edgellm.profile.bench import LiveSampler
+    from edgellm.profile.live import LiveSampler
 
     with LiveSampler(interval=0.05, window=5.0) as s:
         for _ in range(11):

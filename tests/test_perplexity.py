@@ -103,7 +103,7 @@ def test_ppl_errors_are_one_line(cli, tiny_f32, tmp_path, monkeypatch):
 
 
 def test_wikitext_corpus_name_resolves(tiny_f32, wikitext, monkeypatch):
-    from quant.perplexity import load_text
+    from quant.corpus import load_text
 
     monkeypatch.setenv("EDGELLM_CORPUS_DIR", str(wikitext.parent.parent))
     t = load_text(corpus="wikitext-2")

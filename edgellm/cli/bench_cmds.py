@@ -51,7 +51,8 @@ def bench_cmd(models, pp, tg, repetitions, threads, n_ctx, no_mmap, gpu_layers, 
         return _bench_rpc(models, rpc, rpc_split, pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx,
                           compare_llama_bench=compare_llama_bench, fmt=fmt, no_progress=no_progress)
     from edgellm.engine.gpu import parse_size
-    from edgellm.profile.bench import bench, write_plot
+    from edgellm.profile.bench import bench
+    from edgellm.profile.results import write_plot
 
     with cancellable() as cancel:
         rows = bench(

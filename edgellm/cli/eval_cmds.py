@@ -135,7 +135,7 @@ def render_table(report) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def recommend_cmd(ram, ctx, as_json) -> None:
     """The best measured level that fits this machine, from saved `edgellm eval` results."""
-    from quant.evaluate import recommend
+    from quant.recommend import recommend
 
     from edgellm.errors import UsageError
 

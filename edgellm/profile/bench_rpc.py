@@ -53,7 +53,8 @@ def bench_rpc(model: str, rpc: str, *, rpc_split: Optional[str] = None, pp: int 
     from edgellm.engine.runtime import default_threads
     from edgellm.gguf.reader import read_gguf, split_set
     from edgellm.models.resolve import resolve
-    from edgellm.profile.bench import _run_worker, _validate, run_llama_bench
+    from edgellm.profile.bench import _run_worker, _validate
+    from edgellm.profile.llama_bench import run_llama_bench
 
     _validate(pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx)
     res = resolve(str(model))

@@ -16,7 +16,8 @@ from textual.widgets import Button, DataTable, Input, Label, Select, Sparkline, 
 
 from edgellm.fsutil import human_size
 from edgellm.models.store import Store
-from edgellm.profile.bench import bench, load_bench_results
+from edgellm.profile.bench import bench
+from edgellm.profile.results import load_bench_results
 from edgellm.progress import Progress
 
 from tui.widgets.jobbar import JobBar

@@ -28,7 +28,7 @@ from edgellm.fsutil import human_size
 from edgellm.models.catalog import load_catalog
 from edgellm.models.resolve import resolve
 from edgellm.models.store import Store
-from edgellm.profile.bench import LiveSampler
+from edgellm.profile.live import LiveSampler
 
 from tui.modes import SCREENS, key_label
 from tui.widgets.chat_settings import ChatSettings

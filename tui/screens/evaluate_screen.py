@@ -16,8 +16,9 @@ from textual.widgets import Button, DataTable, Input, Label, Select, Static
 from edgellm.fsutil import human_size
 from edgellm.models.store import Store
 from edgellm.progress import Progress
-from quant.evaluate import EvalReport, Recommendation, evaluate, load_eval_results, recommend
-from quant.perplexity import BUILTIN_CORPUS
+from quant.evaluate import EvalReport, evaluate, load_eval_results
+from quant.recommend import Recommendation, recommend
+from quant.corpus import BUILTIN_CORPUS
 
 from tui.widgets.jobbar import JobBar
 from tui.widgets.tables import fill
