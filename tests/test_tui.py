@@ -1,194 +1,33 @@
-"""The Textual TUI, driven headless through its pilot on the real default model.
+"""The Textual TUI's jobs, driven headless through its pilot on the real default model.
 
-Behaviour tests go through the keys a user presses (F1-F6, the import
-dialog, the quantize form, the chat input) and assert on the store, the
-widgets, the text on screen and the notifications. Snapshot tests pin each
-screen at 100x30 with an empty store and a fixed available-RAM figure, so
-they hold on any machine.
+Each test goes through the keys and dialogs a user would use (import, the
+quantize form, pull, bench, the chat input) and asserts on the store, the
+widgets, the text on screen and the notifications: progress to 100%,
+cancelling, a failure's reason kept on screen, streamed replies.
+The screens themselves (keys, labels, fit marks, snapshots) are in
+tests/test_tui_screens.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from pathlib import Path
 
 import pytest
-import pytest_textual_snapshot
 from support.helpers import DEFAULT_NAME
+from support.tui_pilot import (  # noqa: F401  (pinned_ram: an autouse fixture)
+    SIZE,
+    errors,
+    errors_in,
+    make,
+    pinned_ram,
+    screen_text,
+    settled,
+    squeeze,
+    type_text,
+    wait_for,
+)
 
 from edgellm.models.store import Store
-
-SIZE = (100, 30)
-SNAPSHOT_DIR = Path(__file__).parent / "snapshots"
-
-
-# Snapshots live in tests/snapshots/ rather than syrupy's __snapshots__/.
-pytest_textual_snapshot.SVGImageExtension.dirname = classmethod(lambda cls, *, test_location: str(SNAPSHOT_DIR))
-
-
-@pytest.fixture(autouse=True)
-def pinned_ram(monkeypatch):
-    # The fit marks compare with the core's available-RAM figure: pinned, not the machine's.
-    monkeypatch.setenv("EDGELLM_FAKE_AVAILABLE_RAM", str(4 << 30))
-
-
-def make(**kw):
-    from tui.app import make_app
-
-    kw.setdefault("autorun", False)
-    kw.setdefault("stable", True)
-    return make_app(**kw)
-
-
-async def wait_for(pilot, cond, timeout: float = 120.0, what: str = "condition") -> None:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        await pilot.pause(0.1)
-
-
-async def type_text(pilot, text: str) -> None:
-    for ch in text:
-        await pilot.press("space" if ch == " " else ch)
-
-
-def errors(app) -> list[str]:
-    return errors_in(app.notices)
-
-
-def errors_in(notices) -> list[str]:
-    return [m for sev, m in notices if sev == "error"]
-
-
-def screen_text(app, widget=None) -> str:
-    """What the terminal shows (of `widget`'s region, when given), as plain text lines."""
-    strips = app.screen._compositor.render_strips()
-    if widget is None:
-        return "\n".join(s.text.rstrip() for s in strips)
-    r = widget.region
-    return "\n".join(s.crop(r.x, r.right).text.rstrip() for s in strips[r.y:r.bottom])
-
-
-def squeeze(text: str) -> str:
-    """Text with all whitespace gone: a line wrapped on screen still matches."""
-    return "".join(text.split())
-
-
-async def settled(pilot) -> None:
-    """Until the workers the screen started (store scans, saved results) have shown their results."""
-    await pilot.pause()
-    await pilot.app.workers.wait_for_complete()
-    await pilot.pause(0.1)
-
-
-# -- behaviour ------------------------------------------------------------------
-
-
-def test_every_screen_opens_by_key(default_model):
-    from textual.widgets import DataTable
-
-    async def run():
-        app = make()
-        async with app.run_test(size=SIZE) as pilot:
-            seen = []
-            for key in ("f1", "f2", "f3", "f4", "f5", "f6", "f1"):
-                await pilot.press(key)
-                await pilot.pause()
-                seen.append(type(app.screen).__name__)
-            await settled(pilot)
-            names = [k.value for k in app.screen.query_one("#store", DataTable).rows]
-            assert DEFAULT_NAME in names
-            # ctrl+q quits from anywhere, even with the chat input focused
-            await pilot.press("f4")
-            await pilot.press("ctrl+q")
-            await pilot.pause()
-        return seen
-
-    seen = asyncio.run(run())
-    assert seen == ["ModelsScreen", "QuantizeScreen", "EvaluateScreen", "ChatScreen", "BenchScreen", "SystemScreen", "ModelsScreen"]
-
-
-def test_f5_from_the_chat_box_switches_to_bench_and_types_nothing(default_model):
-    from textual.widgets import Input
-
-    async def run():
-        app = make(initial="chat")
-        async with app.run_test(size=SIZE) as pilot:
-            chat = app.screen
-            box = chat.query_one("#chat-input", Input)
-            assert app.focused is box
-            await type_text(pilot, "hi 5")  # a digit types into the box, as text should
-            nav_before = screen_text(app).splitlines()[0]
-            await pilot.press("f5")
-            await pilot.pause()
-            shown = type(app.screen).__name__
-            bench_nav = screen_text(app).splitlines()[0]
-            await pilot.press("f4")
-            await pilot.pause()
-            return shown, box.value, app.focused is box, nav_before, bench_nav
-
-    async def nav_at_80_columns():
-        app = make(initial="chat")
-        async with app.run_test(size=(80, 24)) as pilot:
-            await pilot.pause()
-            return screen_text(app).splitlines()[0]
-
-    shown, value, refocused, nav_before, bench_nav = asyncio.run(run())
-    narrow = asyncio.run(nav_at_80_columns())
-    assert shown == "BenchScreen"
-    assert value == "hi 5"  # F5 switched screens and reached the box neither as text nor as a key
-    assert refocused
-    # the keys are on screen, on every screen
-    for nav in (nav_before, bench_nav, narrow):
-        assert all(f"F{i} {label}" in nav for i, label in enumerate(["Models", "Quantize", "Evaluate", "Chat", "Bench", "System"], 1)), nav
-        assert "^q Quit" in nav
-
-
-def test_every_input_is_labelled(default_model):
-    from textual.widgets import Input, Label
-
-    async def run():
-        app = make()
-        unlabelled, seen = [], 0
-        async with app.run_test(size=SIZE) as pilot:
-            for key in ("f1", "f2", "f3", "f4", "f5", "f6"):
-                await pilot.press(key)
-                await settled(pilot)
-                for inp in app.screen.query(Input):
-                    seen += 1
-                    siblings = list(inp.parent.children)
-                    before = siblings[siblings.index(inp) - 1] if siblings.index(inp) else None
-                    if not (isinstance(before, Label) and str(before.render()).strip()) and not inp.border_title:
-                        unlabelled.append(f"{key}: #{inp.id}")
-        return unlabelled, seen
-
-    unlabelled, seen = asyncio.run(run())
-    assert seen >= 17  # Evaluate 3, Bench 3, Chat 1 + 11 settings
-    assert unlabelled == []
-
-
-def test_fit_marks_use_the_bytes_models_list_reports(default_model, cli, monkeypatch):
-    """The store's fit mark flips from ~ to ✗ at exactly the RAM `models list --json` says the model needs."""
-    from textual.widgets import DataTable
-
-    listed = cli("models", "list", "--json", "--local")
-    assert listed.exit_code == 0, listed
-    need = next(m["ram_needed_bytes"] for m in listed.json()["models"] if m["name"] == DEFAULT_NAME)
-    assert need > default_model.size_bytes  # weights and more
-
-    async def mark(ram: int) -> tuple[str, str]:
-        monkeypatch.setenv("EDGELLM_FAKE_AVAILABLE_RAM", str(ram))
-        app = make()
-        async with app.run_test(size=SIZE) as pilot:
-            await settled(pilot)
-            row = app.screen.query_one("#store", DataTable).get_row(DEFAULT_NAME)
-            return row[1], screen_text(app)
-
-    (at_need, text), (below, _) = asyncio.run(mark(need)), asyncio.run(mark(need - 1))
-    assert (at_need, below) == ("~", "✗")
-    assert "Fit: RAM needed at ctx 4096" in text
 
 
 def test_import_through_the_dialog(default_gguf, edgellm_home):
@@ -476,24 +315,6 @@ def test_chat_streams_a_reply_and_escape_stops_one(default_model):
     st = second["stats"]
     assert st.stop_reason == "cancelled" and 0 < st.generated_tokens < 400
     assert "[stopped]" in second["log"]
-
-
-# -- snapshots ---------------------------------------------------------------------
-
-
-SCREEN_KEYS = {"models": ["f1"], "quantize": ["f2"], "evaluate": ["f3"], "chat": ["f4"], "chat-settings": ["f4", "ctrl+t"],
-               "bench": ["f5"], "system": ["f6"]}
-
-
-@pytest.mark.parametrize("keys", list(SCREEN_KEYS.values()), ids=list(SCREEN_KEYS))
-def test_snapshot(snap_compare, keys, edgellm_home):
-    async def show(pilot):
-        await settled(pilot)  # the Models screen's store scan, on every start
-        for key in keys:
-            await pilot.press(key)
-            await settled(pilot)
-
-    assert snap_compare(make(), terminal_size=SIZE, run_before=show)
 
 
 def test_evaluate_screen_runs_an_evaluation_and_shows_results(tmp_path):
