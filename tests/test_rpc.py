@@ -308,6 +308,7 @@ def test_killing_a_worker_mid_request_gives_serve_a_503_and_no_hang(default_mode
         except subprocess.TimeoutExpired:
             server.kill()
             server.communicate()
+            pytest.fail("serve did not stop within 30 s of Ctrl-C after losing a worker")
         a.stop()
         b.stop()
 
@@ -354,3 +355,34 @@ def test_bench_over_two_workers_reports_both_speeds_and_the_network_share(worker
                                             n_gpu_layers=plan["n_gpu_layers"], tensor_split=plan["tensor_split"]))
     assert args[:2] == ["--rpc", ",".join(w.address for w in workers)]
     assert args[3] == str(plan["n_gpu_layers"]) and args[5] == "/".join(f"{x:g}" for x in plan["tensor_split"])
+
+
+def test_a_worker_that_died_while_serve_was_idle_is_a_503_before_any_work(default_model):
+    a, b = Worker(), Worker()
+    port = free_port()
+    server = subprocess.Popen(cli_argv("serve", DEFAULT_NAME, "--port", port, "--threads", "1", "--ctx", "1024", "--parallel", "1",
+                                       "--rpc", f"{a.address},{b.address}"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    try:
+        assert "listening on" in _readline(server.stdout, 120)
+        assert _post(url, hi)[0] == 200
+        a.proc.kill()
+        a.proc.wait()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        status, body = _post(url, hi, timeout=10)
+        assert status == 503 and body["error"]["code"] == "rpc_worker_lost", body
+        assert f"RPC worker {a.address} is gone" in body["error"]["message"] and time.monotonic() - t0 < 5
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            _out, err = server.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.communicate()
+            pytest.fail("serve did not stop within 30 s of Ctrl-C after losing a worker")
+        a.stop()
+        b.stop()
+    assert server.returncode == 0 and "edgellm serve: stopped" in err

@@ -14,7 +14,10 @@ any work is queued. docs/rpc.md has the whole story.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import sys
 from typing import Any
 
 from edgellm.engine import rpc_native
@@ -41,21 +44,53 @@ def check(pool: Any) -> None:
     if msg is None:
         lost = rpc_native.lost_endpoints()
         if lost:
-            msg = pool.rpc_lost = f"RPC worker {lost[0]} is gone (its connection is closed)"
+            msg = f"RPC worker {lost[0]} is gone (its connection is closed)"
             log.error("%s", msg)
+            _retire(pool, msg)
     if msg is not None:
         raise _error(pool, msg)
+
+
+# Models whose workers are gone. Freeing one sends llama.cpp's "free buffer" to a dead
+# worker, which aborts (here: parks the freeing thread for good), so they are kept,
+# never freed, and the process leaves with os._exit (below) before Python's teardown
+# could collect them.
+_retired: list[Any] = []
+
+
+def _retire(pool: Any, msg: str) -> None:
+    """Mark the pool lost and take every loaded model out of its hands (see _retired)."""
+    with pool._cond:
+        if pool.rpc_lost is None:
+            atexit.register(_exit_without_teardown)
+        pool.rpc_lost = msg
+        for s in pool._slots.values():
+            if s.runtime is not None:
+                _retired.append((s.runtime, s.engine))
+                if s.template is not None:
+                    s.template.close()  # a Jinja worker process: nothing of llama.cpp's
+                s.runtime, s.engine, s.template = None, None, None
+            s.thread = None  # a decode thread parked in llama.cpp never ends: shutdown must not wait for it
+
+
+def _exit_without_teardown() -> None:
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:  # noqa: BLE001  (closed or broken: nothing more to say)
+            pass
+    os._exit(0)
 
 
 def _fail_all(pool: Any, msg: str) -> None:
     """Called from the parked llama.cpp thread: every running and queued request gets the 503."""
     log.error("%s", msg)
-    pool.rpc_lost = msg
     err = _error(pool, msg)
     with pool._cond:
         victims = [(s, j) for s in pool._slots.values() for j in [*s.running, *s.jobs]]
         for s in pool._slots.values():
             s.jobs.clear()
+    _retire(pool, msg)
     for slot, job in victims:
         job.emit(("error", err))
         pool._done(slot, job, "error")
