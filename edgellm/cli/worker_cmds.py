@@ -149,7 +149,7 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
         raise RuntimeFailure(f"the RPC worker on {ip}:{port} did not start: {msg}")
     free, _total = info.devices[0]
     click.echo(f"edgellm worker: listening on {ip}:{port} (llama.cpp RPC protocol {'.'.join(map(str, info.version))}); "
-               f"offering {human_size(free)} on {desc} ({n_threads} threads){'; cache ' + str(cache) if cache else ''}")
+               f"offering {human_size(free)} on the CPU ({desc}, {n_threads} threads){'; cache ' + str(cache) if cache else ''}")
     if not _is_loopback(ip):
         click.echo(f"warning: {SECURITY}", err=True)
     click.echo("Ctrl-C to stop", err=True)
