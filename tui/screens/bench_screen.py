@@ -174,7 +174,7 @@ class BenchScreen(BaseScreen):
         d = self.rows[i]
         mem.update(memory_split(d))
         # every repetition of this model's run, in the order they ran (pp reps, then tg reps)
-        same = [r for r in self.rows if r["model"] == d["model"] and r.get("timestamp") == d.get("timestamp")]
+        same = [r for r in self.rows if r["model"] == d["model"] and r["timestamp"] == d["timestamp"]]
         self.samples = [float(x) for r in same for x in r["samples_ts"]]
         self.query_one(Sparkline).data = self.samples
 
@@ -185,9 +185,9 @@ def memory_split(d: dict) -> Table:
     t.add_column(style="bold", no_wrap=True)
     t.add_column(justify="right")
     t.add_column()
-    rss = d.get("rss_bytes") or 0
+    rss = d["rss_bytes"] or 0
     for label, key in (("peak RSS", "rss_bytes"), ("file-backed", "file_backed_bytes"), ("anonymous", "anon_bytes"), ("KV cache", "kv_bytes")):
-        v = d.get(key)
+        v = d[key]
         if v is None:  # not measured on this platform
             continue
         bar = "█" * int(12 * v / rss) if rss else ""
