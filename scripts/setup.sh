@@ -110,11 +110,14 @@ if [ -z "$WHEEL" ]; then
 else
     say "reusing the wheel built for these flags: $WHEEL"
 fi
+# The marker names the wheel file's hash, not only the flags: a wheel rebuilt
+# for the same flags is installed too.
+STAMP="$KEY $(sha256sum "$WHEEL" | cut -c1-16)"
 INSTALLED_KEY="$(cat "$VENV/.edgellm-llama-key" 2>/dev/null || true)"
-if [ "$INSTALLED_KEY" != "$KEY" ] || ! "$VPY" -c 'import llama_cpp' 2>/dev/null; then
+if [ "$INSTALLED_KEY" != "$STAMP" ] || ! "$VPY" -c 'import llama_cpp' 2>/dev/null; then
     say "installing llama-cpp-python into $VENV"
     "$VPY" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEEL"
-    echo "$KEY" > "$VENV/.edgellm-llama-key"
+    echo "$STAMP" > "$VENV/.edgellm-llama-key"
 fi
 say "installing edgellm (editable) with the server, plot and test extras"
 "$VPY" -m pip install -q --disable-pip-version-check -e ".[serve,plot,test]"
