@@ -85,7 +85,6 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
     import socket
     import sys
     import threading
-    import time
     from pathlib import Path
 
     from edgellm.errors import RuntimeFailure, UsageError
@@ -98,15 +97,7 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
         raise UsageError(f"--host: cannot resolve {host!r}") from None
     if not _is_loopback(ip) and not allow_network:
         raise UsageError(f"refusing to listen on {host} without --allow-network: {SECURITY}")
-    # Bind once here: a busy port is a one-line error (llama.cpp would only print "Failed to create server socket").
-    probe_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    probe_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        probe_sock.bind((ip, port))
-    except OSError as e:
-        raise UsageError(f"cannot listen on {ip}:{port}: {e.strerror or e}") from None
-    finally:
-        probe_sock.close()
+    _check_bind(ip, port)
     cache = None
     if cache_dir:
         cache = Path(cache_dir).expanduser().resolve()
@@ -121,13 +112,8 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
     n_threads = threads or default_threads()
     _dev, desc = rpc_native.cpu_device()
     failed: list[BaseException] = []
-    if not verbose:  # llama.cpp's server printf()s each connection on fd 1; our own lines go to a copy of it
-        sys.stdout.flush()
-        out_fd = os.dup(1)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.close(devnull)
-        sys.stdout = os.fdopen(out_fd, "w", buffering=1)
+    if not verbose:
+        _quiet_native_stdout()
 
     def serve() -> None:
         try:
@@ -137,13 +123,7 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
 
     t = threading.Thread(target=serve, name="edgellm-rpc-worker", daemon=True)
     t.start()
-    info = None
-    deadline = time.monotonic() + 15
-    while info is None and t.is_alive() and time.monotonic() < deadline:
-        try:
-            info = rpc.probe(rpc.Endpoint(ip, port), timeout=2.0)
-        except rpc.RpcError:
-            time.sleep(0.1)
+    info = _wait_ready(t, ip, port)
     if info is None:
         msg = failed[0] if failed else "it did not answer its own hello"
         raise RuntimeFailure(f"the RPC worker on {ip}:{port} did not start: {msg}")
@@ -162,3 +142,47 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
         # The server thread sits in accept() inside llama.cpp and has no stop call: leave without joining it.
         os._exit(0)
     raise RuntimeFailure(f"the RPC worker on {ip}:{port} stopped: {failed[0] if failed else 'llama.cpp gave up (see -v)'}")
+
+
+def _check_bind(ip: str, port: int) -> None:
+    """Bind once here: a busy port is a one-line error (llama.cpp would only print "Failed to create server socket")."""
+    import socket
+
+    from edgellm.errors import UsageError
+
+    probe_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe_sock.bind((ip, port))
+    except OSError as e:
+        raise UsageError(f"cannot listen on {ip}:{port}: {e.strerror or e}") from None
+    finally:
+        probe_sock.close()
+
+
+def _quiet_native_stdout() -> None:
+    """llama.cpp's server printf()s every connection on fd 1: send fd 1 to /dev/null, our own lines to a copy of it."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    out_fd = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    sys.stdout = os.fdopen(out_fd, "w", buffering=1)
+
+
+def _wait_ready(thread: Any, ip: str, port: int, timeout: float = 15.0) -> Any:
+    """The worker's own hello, answered: its protocol and the memory it offers (None if it never answered)."""
+    import time
+
+    from edgellm.engine import rpc
+
+    deadline = time.monotonic() + timeout
+    while thread.is_alive() and time.monotonic() < deadline:
+        try:
+            return rpc.probe(rpc.Endpoint(ip, port), timeout=2.0)
+        except rpc.RpcError:
+            time.sleep(0.1)
+    return None
