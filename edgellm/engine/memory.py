@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Union
 
 from edgellm.errors import InsufficientResources
 from edgellm.fsutil import human_size
+from edgellm.gguf.layout import GGUFInfo
 
 # The one default context: chat, serve, the TUI, recommend and the Hub preflight.
 DEFAULT_CTX = 4096
@@ -42,17 +43,6 @@ PROCESS_BYTES = 96 * MiB
 # Bytes per K/V element for each cache type (ggml block bytes / elements per block).
 KV_BYTES_PER_ELEM = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
                      "q4_1": 20 / 32, "q4_0": 18 / 32}
-
-
-class ModelShape(Protocol):
-    """What the estimate reads from a model: `GGUFInfo` has all of it."""
-
-    tensor_bytes: int
-    block_count: int
-    embedding_length: int
-    head_count: int
-    head_count_kv: int
-    vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -131,6 +121,10 @@ class Shape:
     def of(cls, shape: ModelShape, *, tensor_bytes: Optional[int] = None) -> "Shape":
         return cls(shape.tensor_bytes if tensor_bytes is None else tensor_bytes, shape.block_count,
                    shape.embedding_length, shape.head_count, shape.head_count_kv, shape.vocab_size)
+
+
+# What the estimate reads: a GGUF header, or a Shape of plain numbers.
+ModelShape = Union[GGUFInfo, "Shape"]
 
 
 def shape_from_size(size_bytes: int, parameters: int) -> Shape:
