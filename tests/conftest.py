@@ -63,7 +63,7 @@ def tiny_f32(tmp_path_factory) -> Path:
     """A genuinely float F32 llama (1.4M parameters, one token per byte): milliseconds a chunk."""
     from support.gguf_files import write_tiny_llama
 
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-f32.gguf", dtype="f32", peaked=True, n_ctx=1024)
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-f32.gguf", dtype="f32", peaked=True, tokenizer="gpt2", n_ctx=1024)
 
 
 @pytest.fixture(scope="session")

@@ -160,7 +160,7 @@ def test_recommend_without_results_is_one_line_error(cli):
 
 
 def test_float_base_orders_levels_by_precision(cli, tmp_path):
-    base = write_tiny_llama(tmp_path / "tiny-f32.gguf", dtype="f32", peaked=True, seed=1)
+    base = write_tiny_llama(tmp_path / "tiny-f32.gguf", dtype="f32", peaked=True, tokenizer="gpt2", seed=1)
     assert cli("import", base, "--name", "tiny-f32", "--json").exit_code == 0
     res = cli("eval", "tiny-f32", "--levels", ",".join(LEVELS), "--corpus", "python-docs", "--ctx", "256", "--chunks", "8",
               "--json", "--no-progress")
@@ -189,7 +189,7 @@ def test_eval_errors_are_one_line(cli, tmp_path, default_gguf, tiny_f32):
         (["--levels", "q8_0", "--text", binary], "binary"),
         (["--levels", "q8_0", "--text", short, "--ctx", "512"], "needs at least 1024"),
         (["--levels", "q9_9", "--corpus", "python-docs"], "unknown level"),
-        # A level with another vocabulary (the default model: 49152 tokens vs the tiny model's 259).
+        # A level with another vocabulary (the default model: 49152 tokens vs the tiny model's 258).
         (["--levels", str(default_gguf), "--corpus", "python-docs", "--chunks", "2"], "vocabulary"),
     ):
         res = cli("eval", tiny_f32, *args, "--no-progress")
