@@ -303,6 +303,8 @@ class ModelPool:
 
             with self._cond:
                 slot.running.add(job)
+                if self._closing:  # begin_shutdown ran while this job was being prepared
+                    job.cancel.cancel("the server is shutting down")
             slot.engine.add(Sequence(tokens, sampling, emit, cancel=job.cancel))
             return
         except ApiError as e:
