@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from support.helpers import DEFAULT_SHA256 as DEFAULT_SHA
+from support.helpers import DEFAULT_SIZE
 from test_gguf_tiling import GAP_TENSOR, Q4_0, one_line_error, patch_tensor_type
-
-DEFAULT_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 def sha256(p: Path) -> str:
@@ -87,7 +87,7 @@ def test_lists_the_ollama_store_with_names_and_the_blob_sha(ollama, cli):
     found = {m["name"]: m for m in res.json()}
     assert set(found) == {"smollm2:135m", "hf.co/bartowski/SmolLM2-135M-Instruct-GGUF:Q4_1"}
     m = found["smollm2:135m"]
-    assert (m["store_name"], m["path"], m["sha256"], m["size_bytes"]) == ("smollm2-135m", str(ollama), DEFAULT_SHA, 98362432)
+    assert (m["store_name"], m["path"], m["sha256"], m["size_bytes"]) == ("smollm2-135m", str(ollama), DEFAULT_SHA, DEFAULT_SIZE)
     assert found["hf.co/bartowski/SmolLM2-135M-Instruct-GGUF:Q4_1"]["store_name"] == "hf.co-bartowski-smollm2-135m-instruct-gguf-q4_1"
     text = cli("import", "--from", "ollama")
     assert text.exit_code == 0, text

