@@ -26,6 +26,12 @@ TOOLS="${*:-llama-bench llama-perplexity llama-quantize llama-imatrix rpc-server
 
 have_all() { for t in $TOOLS; do [ -x "$OUT/bin/$t" ] || return 1; done; }
 if have_all; then echo "$OUT/bin"; exit 0; fi
+# One build at a time per flag set: the test suite, scripts and a second
+# shell may all ask at once, and two cmake runs in one build folder break it.
+mkdir -p "$OUT"
+exec 9>"$OUT/.lock"
+flock 9
+if have_all; then echo "$OUT/bin"; exit 0; fi
 
 say() { echo "[build_llama_tools] $*" >&2; }
 SDIST="$EDGELLM_CACHE/dl/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
