@@ -64,7 +64,7 @@ def test_one_estimate_everywhere_and_close_to_a_real_chat(default_gguf, tmp_path
     assert ok.exit_code == 0, ok.stderr
 
     # a real chat process with the context nearly full: its peak RSS
-    prompt = " ".join(f"Sentence {i} of a long prompt about rivers, bridges and the towns beside them." for i in range(235))
+    prompt = " ".join(f"Sentence {i} of a long prompt about rivers, bridges and the towns beside them." for i in range(200))
     rss, out = _peak_rss_of(cli_argv("chat", DEFAULT_NAME, "--ctx", str(DEFAULT_CTX), "-p", prompt, "--max-tokens", "2",
                                      "--temperature", "0", "--json"), env)
     assert out["stats"]["prompt_tokens"] > 0.85 * DEFAULT_CTX, out["stats"]
