@@ -17,21 +17,6 @@ FOUR = ["q4_0", "q4_k_m", "q5_k_m", "q8_0"]
 # -- levels table -------------------------------------------------------------
 
 
-def test_levels_match_llama_cpp_ftypes():
-    import llama_cpp
-
-    from quant.levels import LEVELS, parse_level
-
-    for lv in LEVELS:
-        const = "LLAMA_FTYPE_ALL_F32" if lv.name == "F32" else f"LLAMA_FTYPE_MOSTLY_{lv.name}"
-        assert getattr(llama_cpp, const) == lv.ftype, lv
-    assert len({lv.ftype for lv in LEVELS}) == len(LEVELS)
-    assert parse_level("Q4_K_M") is parse_level("q4_k_m") is parse_level("q4_k") is parse_level("15")
-    assert parse_level(" iq4_xs ").key == "iq4_xs"
-    needs = {lv.key for lv in LEVELS if lv.needs_imatrix}
-    assert needs == {"iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xxs", "iq3_xs", "q2_k_s"}
-
-
 # -- the main path: F16 -> four levels ----------------------------------------
 
 
