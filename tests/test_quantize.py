@@ -14,9 +14,6 @@ from support.quant_fixtures import F16_NAME, wait_for_partial
 FOUR = ["q4_0", "q4_k_m", "q5_k_m", "q8_0"]
 
 
-# -- levels table -------------------------------------------------------------
-
-
 # -- the main path: F16 -> four levels ----------------------------------------
 
 
