@@ -323,6 +323,8 @@ class Runtime:
             self._kv = []
         return ctx, self.llm._model.vocab, self._batch
 
+    # long: the per-token loop stays in one frame with its callables bound to locals,
+    # the cheapest Python there is per token.
     def stream(
         self,
         prompt_tokens: Sequence[int],
@@ -336,8 +338,6 @@ class Runtime:
         Only the tokens past the longest prefix already in the KV cache are
         evaluated. Cancelling stops after the current token; the KV cache then
         holds the prompt and what was generated, and the runtime stays usable.
-        (Over 80 lines on purpose: the per-token loop stays in one frame with
-        its callables bound to locals, the cheapest Python there is per token.)
         """
         from edgellm.engine.decode import Sampler, TextStream, common_prefix, decode_prompt
 

@@ -136,12 +136,9 @@ def _error_response(e: ApiError):
     return _json_response(e.body(), e.status, e.headers)
 
 
+# long: the routes are closures sharing the config, the pool, the model names and the metrics.
 def create_app(config: ServerConfig, *, pool: Optional[ModelPool] = None):
-    """The Starlette app; `app.state.pool` holds the models.
-
-    One function with the routes as closures (over 80 lines): they share the
-    config, the pool, the model names and the metrics without a global.
-    """
+    """The Starlette app; `app.state.pool` holds the models."""
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
