@@ -45,6 +45,23 @@ edgellm_cmake_args() {
     echo "$args"
 }
 
+# The portable build: the CPU backend as loadable libraries, one per x86-64
+# level (x64, sse42, sandybridge, haswell ... zen4, sapphirerapids), chosen at
+# run time by edgellm (edgellm/engine/backends.py), so one wheel runs on every
+# CPU. llama-cpp-python does not install the variants itself: GGML_BACKEND_DIR
+# (typed STRING, else CMake makes it absolute against the build folder) puts
+# them in the wheel's llama_cpp/lib beside libggml-base.so, found by $ORIGIN.
+# On other architectures llama.cpp offers no variant set here: one native
+# loadable CPU backend.
+edgellm_portable_cmake_args() {
+    local args='-DLLAVA_BUILD=OFF -DGGML_RPC=ON -DGGML_BACKEND_DL=ON -DGGML_BACKEND_DIR:STRING=llama_cpp/lib -DCMAKE_INSTALL_RPATH=$ORIGIN'
+    case "$(uname -m)" in
+        x86_64|amd64) args="$args -DGGML_CPU_ALL_VARIANTS=ON -DGGML_NATIVE=OFF" ;;
+        *) args="$args -DGGML_NATIVE=ON" ;;
+    esac
+    echo "$args"
+}
+
 # A short stable key for a flag set, so a wheel built for one set is never
 # installed for another (pip's own wheel cache ignores CMAKE_ARGS).
 edgellm_flags_key() {

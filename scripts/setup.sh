@@ -8,6 +8,10 @@
 #                                    system's are too old (Debian 12's 1.3.239 are)
 #   scripts/setup.sh --venv DIR      install into DIR instead of ./.venv (e.g. a
 #                                    GPU build beside the CPU one in .venv)
+#   scripts/setup.sh --portable --venv .venv-portable
+#                                    one build for every x86-64 CPU: the CPU backend
+#                                    as loadable variants, the best one that passes
+#                                    the self-test chosen at run time (~12 min build)
 #
 # Switching the wheel in a venv is one command: rerun with or without --gpu.
 #
@@ -23,13 +27,15 @@ source scripts/_cpu_flags.sh
 GPU=""
 VENV="$ROOT/.venv"
 VK_HEADERS=""
+PORTABLE=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --gpu) GPU="${2:-}"; shift 2 ;;
         --gpu=*) GPU="${1#--gpu=}"; shift ;;
         --venv) VENV="$(realpath -m "${2:?--venv needs a folder}")"; shift 2 ;;
         --vulkan-headers) VK_HEADERS="$(realpath "${2:?--vulkan-headers needs a folder}")"; shift 2 ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        --portable) PORTABLE=1; shift ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "setup.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -67,6 +73,7 @@ vulkan_check() {
     fi
 }
 
+[ -n "$PORTABLE" ] && [ -n "$GPU" ] && { echo "setup.sh: --portable is a CPU build; it does not combine with --gpu" >&2; exit 2; }
 case "$GPU" in
     "") ;;
     cuda) command -v nvcc >/dev/null || { echo "setup.sh: --gpu cuda needs the CUDA toolkit (nvcc) on PATH" >&2; exit 1; } ;;
@@ -84,6 +91,11 @@ VPY="$VENV/bin/python"
 
 ARGS="$(edgellm_cmake_args "$GPU")"
 KEY="$(edgellm_flags_key "$ARGS")"
+if [ -n "$PORTABLE" ]; then
+    # Its own key and a "portable-" prefix: offline_bundle.sh looks for it there.
+    ARGS="$(edgellm_portable_cmake_args)"
+    KEY="portable-$(edgellm_flags_key "$ARGS")"
+fi
 WHEELS="$EDGELLM_CACHE/wheels/$KEY"
 say "llama.cpp CPU flags: $ARGS"
 WHEEL="$(ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION"-*.whl 2>/dev/null | head -1 || true)"
@@ -103,6 +115,13 @@ if [ -z "$WHEEL" ]; then
     if [ -n "$GPU" ] && ! "$VPY" -c 'import sys, zipfile; sys.exit(not any("libggml-"+sys.argv[2] in n for n in zipfile.ZipFile(sys.argv[1]).namelist()))' \
             "$(ls "$WHEELS.partial"/llama_cpp_python-*.whl | head -1)" "$GPU"; then
         echo "setup.sh: the wheel built for --gpu $GPU has no ggml-$GPU backend; not caching it" >&2
+        rm -rf "$WHEELS.partial"; exit 1
+    fi
+    # llama-cpp-python installs no backend it does not name: without the
+    # CPU variants a portable wheel could not run a model at all.
+    if [ -n "$PORTABLE" ] && ! "$VPY" -c 'import sys, zipfile; sys.exit(not any("/libggml-cpu" in n for n in zipfile.ZipFile(sys.argv[1]).namelist()))' \
+            "$(ls "$WHEELS.partial"/llama_cpp_python-*.whl | head -1)"; then
+        echo "setup.sh: the portable wheel holds no libggml-cpu-* backend; not caching it" >&2
         rm -rf "$WHEELS.partial"; exit 1
     fi
     rm -rf "$WHEELS" && mv "$WHEELS.partial" "$WHEELS"
