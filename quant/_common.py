@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -156,3 +156,16 @@ def inherited_lineage(resolved: Resolved) -> dict[str, Any]:
         return {}
     src = rec.extra.get("dequantized_from") or rec.extra.get("base_dequantized_from")
     return {"base_dequantized_from": src} if src else {}
+
+
+def result_json(result: Any) -> dict[str, Any]:
+    """A convert/quantize result dataclass as JSON: every field but the store
+    record (its own `to_json` is the store's view), path as text, timings and
+    bits per weight rounded."""
+    d = {f.name: getattr(result, f.name) for f in fields(result) if f.name != "record"}
+    d["path"] = str(d["path"])
+    for key, digits in (("bpw", 4), ("seconds", 3), ("quantize_seconds", 3)):
+        if key in d:
+            d[key] = round(d[key], digits)
+    return d
+

@@ -30,7 +30,7 @@ from edgellm.models.resolve import resolve
 from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
 from edgellm.models.store import ModelRecord, Store
 
-from quant._common import FLOAT_LEVELS, check_writable, inherited_lineage, plan_output, register_output
+from quant._common import FLOAT_LEVELS, check_writable, inherited_lineage, plan_output, register_output, result_json
 from quant.levels import parse_level
 
 log = logging.getLogger(__name__)
@@ -57,19 +57,7 @@ class ConvertResult:
     record: Optional[ModelRecord] = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "level": self.level,
-            "path": str(self.path),
-            "size_bytes": self.size_bytes,
-            "bpw": round(self.bpw, 4),
-            "tensor_types": self.tensor_types,
-            "source_level": self.source_level,
-            "parent": self.parent,
-            "seconds": round(self.seconds, 3),
-            "sha256": self.sha256,
-            "warnings": self.warnings,
-        }
+        return result_json(self)
 
 
 def convert(

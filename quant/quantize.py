@@ -55,6 +55,7 @@ from quant._common import (
     inherited_lineage,
     plan_output,
     register_output,
+    result_json,
 )
 from quant._workers import Job, Run, Worker, llama_failure, parse_log
 from quant.levels import FALLBACK, QK_K, Level, parse_level, type_bpw
@@ -88,27 +89,7 @@ class QuantizeResult:
     recipe: Optional[dict[str, Any]] = None  # the per-tensor recipe applied (quant/budget.py)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "level": self.level,
-            "path": str(self.path),
-            "size_bytes": self.size_bytes,
-            "bpw": round(self.bpw, 4),
-            "tensor_types": self.tensor_types,
-            "tensor_count": self.tensor_count,
-            "fallback_tensors": self.fallback_tensors,
-            "fallbacks": self.fallbacks,
-            "fallback_reason": self.fallback_reason,
-            "seconds": round(self.seconds, 3),
-            "quantize_seconds": round(self.quantize_seconds, 3),
-            "threads": self.threads,
-            "input_level": self.input_level,
-            "parent": self.parent,
-            "sha256": self.sha256,
-            "warnings": self.warnings,
-            "imatrix": self.imatrix,
-            "recipe": self.recipe,
-        }
+        return result_json(self)
 
 
 def quantize(
