@@ -134,7 +134,17 @@ def register_output(
     source: str,
     extra: dict[str, Any],
 ) -> ModelRecord:
-    """Register a finished, validated output with its lineage."""
+    """Register a finished, validated output with its lineage; a failure to
+    register removes the file, so no unregistered output is left in the store."""
+    try:
+        return _register(store, plan, info, sha, resolved=resolved, source=source, extra=extra)
+    except BaseException:
+        plan.path.unlink(missing_ok=True)
+        raise
+
+
+def _register(store: Store, plan: OutputPlan, info: GGUFInfo, sha: str, *, resolved: Resolved, source: str,
+              extra: dict[str, Any]) -> ModelRecord:
     rel = store.relative(plan.path)
     parent = resolved.record.name if resolved.record is not None else None
     if parent is None:

@@ -170,11 +170,7 @@ def convert(
         )
         extra["lineage_warning"] = warnings[-1]
     extra.update(inherited_lineage(resolved))
-    try:
-        rec = register_output(store, plan, out, sha, resolved=resolved, source="convert", extra=extra)
-    except BaseException:
-        plan.path.unlink(missing_ok=True)
-        raise
+    rec = register_output(store, plan, out, sha, resolved=resolved, source="convert", extra=extra)
     return ConvertResult(
         name=rec.name, level=out.level, path=plan.path, size_bytes=out.size_bytes, bpw=out.bpw,
         tensor_types=out.tensor_types, source_level=info.level, parent=rec.parent,

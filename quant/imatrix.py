@@ -235,18 +235,9 @@ class _Runner:
             start, n_seq_batch = i * n_ctx, min(self.n_seq, plan.n_chunk - i)
             ll.llama_memory_clear(mem, True)
             for j in range(num_batches):
-                size = min(n_ctx - j * self.n_batch, self.n_batch)
-                n = 0
-                for seq in range(n_seq_batch):
-                    s = start + j * self.n_batch + seq * n_ctx
-                    b.token[n:n + size] = tokens[s:s + size]
-                    if self.add_bos and j == 0:
-                        b.token[n] = self.bos
-                    b.pos[n:n + size] = np.arange(j * self.n_batch, j * self.n_batch + size, dtype=np.int32)
-                    b.seq[n:n + size] = seq
-                    b.logits[n:n + size] = 1  # all outputs, as llama-imatrix: the last layer sees every token
-                    n += size
-                b.struct.n_tokens = n
+                # all outputs (first_output 0), as llama-imatrix: the last layer sees every token
+                b.fill_chunks(tokens, start=start, j=j, n_ctx=n_ctx, n_batch=self.n_batch, n_seq=n_seq_batch,
+                              bos=self.bos if self.add_bos else None, first_output=0)
                 rc = ll.llama_decode(self.ctx, b.struct)
                 if self.collector.error is not None:
                     raise self.collector.error

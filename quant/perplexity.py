@@ -77,6 +77,27 @@ class _Batch:
         self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self.struct.n_tokens = 0
 
+    def fill_chunks(self, tokens: np.ndarray, *, start: int, j: int, n_ctx: int, n_batch: int, n_seq: int,
+                    bos: Optional[int], first_output: int) -> int:
+        """Batch `j` of `n_seq` consecutive chunks of `n_ctx` tokens from `start`,
+        as llama-perplexity and llama-imatrix lay them out: each chunk its own
+        sequence, BOS over the first token of a chunk when the model adds one,
+        logits for positions >= `first_output`. Returns the tokens filled."""
+        size = min(n_ctx - j * n_batch, n_batch)
+        pos = np.arange(j * n_batch, j * n_batch + size, dtype=np.int32)
+        n = 0
+        for seq in range(n_seq):
+            s = start + j * n_batch + seq * n_ctx
+            self.token[n:n + size] = tokens[s:s + size]
+            if bos is not None and j == 0:
+                self.token[n] = bos
+            self.pos[n:n + size] = pos
+            self.seq[n:n + size] = seq
+            self.logits[n:n + size] = pos >= first_output
+            n += size
+        self.struct.n_tokens = n
+        return n
+
 
 @dataclass
 class ChunkPlan:
@@ -217,19 +238,8 @@ class LogitsRunner:
             ll.llama_memory_clear(mem, True)
             got = 0
             for j in range(num_batches):
-                size = min(n_ctx - j * plan.n_batch, plan.n_batch)
-                n = 0
-                for seq in range(n_seq_batch):
-                    s = start + j * plan.n_batch + seq * n_ctx
-                    b.token[n:n + size] = tokens[s:s + size]
-                    if self.add_bos and j == 0:
-                        b.token[n] = self.bos
-                    pos = np.arange(j * plan.n_batch, j * plan.n_batch + size, dtype=np.int32)
-                    b.pos[n:n + size] = pos
-                    b.seq[n:n + size] = seq
-                    b.logits[n:n + size] = pos >= first
-                    n += size
-                b.struct.n_tokens = n
+                n = b.fill_chunks(tokens, start=start, j=j, n_ctx=n_ctx, n_batch=plan.n_batch, n_seq=n_seq_batch,
+                                  bos=self.bos if self.add_bos else None, first_output=first)
                 rc = ll.llama_decode(self.ctx, b.struct)
                 if rc != 0:
                     raise RuntimeFailure(f"llama.cpp failed to decode chunk {i + 1} of {self.path.name} (code {rc})")

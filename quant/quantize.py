@@ -463,11 +463,7 @@ def _finish(
         extra["imatrix"] = imatrix.lineage()
     if recipe is not None:
         extra["recipe"] = recipe
-    try:
-        rec = register_output(store, plan, out, sha, resolved=resolved, source="quantize", extra=extra)
-    except BaseException:
-        plan.path.unlink(missing_ok=True)
-        raise
+    rec = register_output(store, plan, out, sha, resolved=resolved, source="quantize", extra=extra)
     return QuantizeResult(
         name=rec.name, level=out.level, path=plan.path, size_bytes=out.size_bytes, bpw=out.bpw,
         tensor_types=out.tensor_types, fallback_tensors=n_fallback, tensor_count=out.tensor_count,
