@@ -131,12 +131,7 @@ def chat_cmd(model: Optional[str], prompt: Optional[str], system: Optional[str],
                 if as_json:
                     reply = session.ask(prompt, cancel=cancel)
                 else:
-                    out = sys.stdout
-                    for piece in session.send(prompt, cancel=cancel):
-                        out.write(piece)
-                        out.flush()
-                    out.write("\n")
-                    out.flush()
+                    _stream_reply(session, prompt, cancel)
             st = session.last_stats
             if as_json:
                 emit_json({
@@ -168,7 +163,6 @@ def _interactive(session, runtime, kw: dict[str, Any]) -> None:
         _setup_readline()
     err = lambda m: click.echo(m, err=True)  # noqa: E731
     err(f"chatting with {session.model_name}; /help for commands, Ctrl-C stops a reply, Ctrl-D quits")
-    out = sys.stdout
     while True:
         try:
             line = input(">>> ") if tty else sys.stdin.readline()
@@ -224,11 +218,7 @@ def _interactive(session, runtime, kw: dict[str, Any]) -> None:
                 continue
             cancel = CancelToken()
             with _sigint_cancels(cancel):
-                for piece in session.send(line, cancel=cancel):
-                    out.write(piece)
-                    out.flush()
-            out.write("\n")
-            out.flush()
+                _stream_reply(session, line, cancel)
             st = session.last_stats
             if st is not None:
                 err(stats_line(st) if st.stop_reason != "cancelled" else "[reply stopped]")
@@ -306,3 +296,15 @@ def _history_command(list_sessions: bool, export_id: Optional[str], delete_id: O
         if as_json:
             return emit_json({"deleted": delete_id, "path": str(p)})
         click.echo(f"deleted {delete_id}")
+
+
+def _stream_reply(session: Any, text: str, cancel: Any) -> None:
+    """Print the reply as it is generated, then end its line (also when cancelled)."""
+    out = sys.stdout
+    try:
+        for piece in session.send(text, cancel=cancel):
+            out.write(piece)
+            out.flush()
+    finally:
+        out.write("\n")
+        out.flush()
