@@ -31,6 +31,15 @@ CHUNK = 1 << 20
 DISK_MARGIN = 256 << 20
 
 
+def unreadable(path: Path, e: OSError) -> str:
+    """Why `path` could not be read, in the words every file error uses."""
+    if isinstance(e, FileNotFoundError):
+        return f"{path}: no such file"
+    if isinstance(e, IsADirectoryError):
+        return f"{path}: is a folder, not a file"
+    return f"{path}: cannot read ({e.strerror})"
+
+
 def partial_path(target: Path) -> Path:
     return target.with_name(f"{target.name}.{os.getpid()}{PARTIAL_SUFFIX}")
 

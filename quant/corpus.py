@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from edgellm.errors import EvalError, UsageError
+from edgellm.fsutil import unreadable
 
 WIKITEXT_REL = Path("wikitext-2-raw") / "wiki.test.raw"
 BUILTIN_CORPUS = "python-docs"
@@ -73,12 +74,8 @@ def load_text(text: Optional[str | Path] = None, corpus: Optional[str] = None) -
 def _read_text_file(path: Path) -> Text:
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
-        raise EvalError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise EvalError(f"{path}: is a folder, not a text file") from None
     except OSError as e:
-        raise EvalError(f"{path}: cannot read ({e.strerror})") from None
+        raise EvalError(unreadable(path, e)) from None
     if not data.strip():
         raise EvalError(f"{path.name}: the file is empty")
     if b"\x00" in data[: 1 << 20]:

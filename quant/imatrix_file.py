@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from edgellm.errors import GGUFError, QuantizeError
+from edgellm.fsutil import unreadable
 
 ALIGN = 32
 _F32 = 0
@@ -105,10 +106,8 @@ def read_imatrix(path: Path | str) -> IMatrix:
     what = f"{path.name}: not a usable importance matrix"
     try:
         head = path.read_bytes()[:4]
-    except FileNotFoundError:
-        raise QuantizeError(f"{path}: no such imatrix file") from None
     except OSError as e:
-        raise QuantizeError(f"{path}: cannot read ({e.strerror})") from None
+        raise QuantizeError(unreadable(path, e)) from None
     if head != b"GGUF":
         raise QuantizeError(f"{what} (not a GGUF file; the legacy .dat format is not read: convert it with "
                             "`llama-imatrix --in-file X.dat -o X.gguf`)")

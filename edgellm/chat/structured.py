@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from edgellm.errors import UsageError
+from edgellm.fsutil import unreadable
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +108,10 @@ def load_file(path: Path | str, *, kind: str) -> Constraint:
     p = Path(path).expanduser()
     try:
         text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"{p}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read {p}: {getattr(e, 'strerror', None) or e}") from None
+    except OSError as e:
+        raise UsageError(unreadable(p, e)) from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{p}: not UTF-8 text (bad byte at offset {e.start})") from None
     return from_json_schema(text, source=p.name) if kind == "json-schema" else from_gbnf(text, source=p.name)
 
 

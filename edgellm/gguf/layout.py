@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from edgellm.errors import GGUFError
+from edgellm.fsutil import unreadable
 
 GGUF_MAGIC = b"GGUF"
 _BLK_RE = re.compile(r"^blk\.(\d+)\.")
@@ -134,17 +135,15 @@ def file_type_name(ftype: int) -> str:
 def _check_header(path: Path) -> int:
     try:
         size = path.stat().st_size
-    except FileNotFoundError:
-        raise GGUFError(f"{path}: no such file") from None
     except OSError as e:
-        raise GGUFError(f"{path}: cannot read ({e.strerror})") from None
+        raise GGUFError(unreadable(path, e)) from None
     if not path.is_file():
         raise GGUFError(f"{path}: not a regular file")
     try:
         with open(path, "rb") as fh:
             head = fh.read(8)
     except OSError as e:
-        raise GGUFError(f"{path}: cannot read ({e.strerror})") from None
+        raise GGUFError(unreadable(path, e)) from None
     if len(head) < 8 or head[:4] != GGUF_MAGIC:
         raise GGUFError(f"{path.name}: not a GGUF file (bad magic)")
     version = int.from_bytes(head[4:8], "little")
