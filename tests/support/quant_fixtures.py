@@ -1,9 +1,9 @@
-"""Fixtures shared by test_convert.py and test_quantize.py.
+"""Fixtures for the tests that need the default model's F16 (test_convert, test_quantize, ...).
 
-The F16 of the default model is produced once per session by the real
-`convert` (about 7 s) and then registered into each test's own store by
-reference, like conftest's `default_model`. The session result is memoised
-in this module so both test files share one conversion.
+Loaded for the whole suite as a plugin (`pytest_plugins` in conftest.py), so
+the F16 is produced once per session by the real `convert` (about 7 s) and
+then registered into each test's own store by reference, like conftest's
+`default_model`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import pytest
 from support.helpers import DEFAULT_NAME, DEFAULT_REF
 
 F16_NAME = f"{DEFAULT_REF}-f16"
+# A module that imports these fixtures by name gets its own copy of the session
+# fixture: the memo keeps that to one conversion per session all the same.
 _cache: dict[str, object] = {}
 
 
