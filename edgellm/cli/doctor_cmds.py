@@ -42,6 +42,12 @@ def doctor_cmd(as_json: bool, model_ref, no_self_test: bool) -> None:
         click.echo(f"cpu               {rep.cpu}")
         click.echo(f"cpu features      {' '.join(rep.cpu_features) or '-'}")
         click.echo(f"compiled in       {' '.join(rep.compiled_features) or '-'}")
+        if rep.cpu_backend:  # the portable build: which of its CPU variants runs here, and why
+            cb = rep.cpu_backend
+            click.echo(f"cpu backend       {cb['variant']} ({cb['source']}): {cb['reason']}")
+            for v in cb["variants"]:
+                click.echo(f"  {v['name']:<16}score {v['score'] if v['score'] is not None else '-':>4}  {v['status'] or '-'}"
+                           + (f": {v['reason']}" if v["reason"] else ""))
         gpu = rep.gpu
         click.echo(f"gpu backends      {', '.join(gpu.get('backends') or []) or 'none (CPU-only build)'}")
         for d in gpu.get("devices", []):

@@ -132,7 +132,8 @@ class SelfTestResult:
         return asdict(self)
 
 
-def self_test(model_path: Optional[Path], *, n_tokens: int = 8, timeout: float = 180.0, threads: Optional[int] = None) -> SelfTestResult:
+def self_test(model_path: Optional[Path], *, n_tokens: int = 8, timeout: float = 180.0, threads: Optional[int] = None,
+              env: Optional[dict[str, str]] = None) -> SelfTestResult:
     """Load `model_path` and generate `n_tokens` in a child process."""
     if model_path is None:
         return SelfTestResult(False, message="no model to test with: run `edgellm pull` first")
@@ -140,7 +141,8 @@ def self_test(model_path: Optional[Path], *, n_tokens: int = 8, timeout: float =
     if threads:
         cmd += ["--threads", str(threads)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=_no_core_dumps if os.name == "posix" else None)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                              preexec_fn=_no_core_dumps if os.name == "posix" else None)
     except subprocess.TimeoutExpired:
         return SelfTestResult(False, model=str(model_path), message=f"self-test timed out after {timeout:.0f} s")
     if proc.returncode < 0:
@@ -180,6 +182,7 @@ class DoctorReport:
     disk_free_bytes: int
     self_test: SelfTestResult
     warnings: list[str] = field(default_factory=list)
+    cpu_backend: Optional[dict[str, Any]] = None  # the portable build's CPU variant (engine.backends); None: host-flags build
 
     @property
     def ok(self) -> bool:
@@ -195,8 +198,11 @@ def doctor(*, model_path: Optional[Path] = None, run_self_test: bool = True) -> 
     import llama_cpp
 
     from edgellm import paths
+    from edgellm.engine import backends
     from edgellm.fsutil import free_bytes
 
+    # Before any llama.cpp query: a portable build has no CPU backend until one is loaded.
+    choice = backends.ensure(model_path, self_test=run_self_test)
     cpu_f = cpu_features()
     info = _system_info()["raw"]
     comp = compiled_features()
@@ -228,4 +234,5 @@ def doctor(*, model_path: Optional[Path] = None, run_self_test: bool = True) -> 
         disk_free_bytes=free_bytes(home),
         self_test=st,
         warnings=warnings,
+        cpu_backend=choice.to_json() if choice is not None else None,
     )

@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import llama_cpp
 
+    from edgellm.engine import backends
+
+    backends.ensure()  # the portable build's CPU variant (the parent names the one to try)
+
     # Tests set this to prove the parent reports a crashing build by name,
     # without needing a genuinely broken build.
     crash = os.environ.get("EDGELLM_SELFTEST_CRASH")

@@ -1,0 +1,292 @@
+"""The portable build's CPU backend: which variant this machine runs, and loading it.
+
+`scripts/setup.sh --portable` builds llama.cpp with the CPU backend as one
+loadable library per x86-64 level (libggml-cpu-x64.so ... -haswell, -zen4,
+-sapphirerapids) in llama_cpp/lib. llama.cpp itself would look for them only
+in the current folder and beside the Python binary, and would pick one by
+CPUID alone; CPUID can advertise AVX-512 or AMX that the OS or a hypervisor
+does not enable, and that variant dies with SIGILL on its first matmul.
+
+So edgellm chooses: every variant is scored by llama.cpp's own
+`ggml_backend_score` (in a child: scoring dlopens the library), variants whose
+features the kernel does not list in /proc/cpuinfo are set aside, and the
+best remaining one must pass the subprocess self-test (hardware.self_test);
+one that crashes is skipped for the next. The choice is remembered per CPU and
+build under the cache dir, and `ensure()` loads it (with the other backend
+libraries, RPC included) through ggml_backend_load before any model.
+`GGML_BACKEND_PATH` is set too, so a child process that never calls
+`ensure()` still gets the same variant from llama.cpp's own loader.
+
+The host-flags build (one libggml-cpu.so linked in) has no variants: every
+function here is then a no-op and llama.cpp behaves as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any, Optional
+
+from edgellm.errors import RuntimeFailure
+
+_PREFIX = "libggml-cpu-"
+# Forces a variant (name or path): the self-test child is told which one to try this way.
+FORCE_ENV = "EDGELLM_CPU_BACKEND"
+# Comma-separated variant names that die with SIGILL as soon as they are loaded, as a
+# variant using instructions the OS does not enable would: proves the fallback on any CPU.
+BREAK_ENV = "EDGELLM_BACKEND_BREAK"
+
+_SSE42 = ["sse4_2"]
+_AVX = _SSE42 + ["avx"]
+_HSW = _AVX + ["f16c", "fma", "avx2", "bmi2"]
+_512 = _HSW + ["avx512f"]
+# What each x86 variant is compiled for (ggml/src/CMakeLists.txt), in /proc/cpuinfo spelling
+# ("avx512vbmi" is how Linux spells AVX512_VBMI).
+VARIANT_FEATURES: dict[str, list[str]] = {
+    "x64": [], "sse42": _SSE42, "sandybridge": _AVX, "ivybridge": _AVX + ["f16c"],
+    "piledriver": _AVX + ["f16c", "fma"], "haswell": _HSW, "alderlake": _HSW + ["avx_vnni"],
+    "skylakex": _512, "cannonlake": _512 + ["avx512vbmi"], "cascadelake": _512 + ["avx512_vnni"],
+    "icelake": _512 + ["avx512vbmi", "avx512_vnni"], "cooperlake": _512 + ["avx512_vnni", "avx512_bf16"],
+    "zen4": _512 + ["avx512vbmi", "avx512_vnni", "avx512_bf16"],
+    "sapphirerapids": _512 + ["avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"],
+}
+
+
+@dataclass
+class Variant:
+    name: str
+    path: str
+    score: Optional[int] = None  # llama.cpp's ggml_backend_score; 0: the CPU lacks what it needs
+    status: str = ""  # "chosen", "passed", "crashed", "unsupported", "not enabled by the OS", "not tried"
+    reason: str = ""
+
+
+@dataclass
+class Choice:
+    variant: str
+    path: str
+    reason: str
+    verified: bool  # passed the self-test on this machine (else chosen by score alone)
+    source: str  # "self-test", "remembered", "forced", "score"
+    variants: list[Variant] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_loaded: dict[str, Any] = {}
+
+
+def lib_dir() -> Optional[Path]:
+    """llama_cpp's lib folder, found without importing llama_cpp (that would load libllama)."""
+    spec = find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / "lib"
+
+
+def variants(lib: Optional[Path] = None) -> dict[str, Path]:
+    """The CPU variants in a portable build, by name; empty for the host-flags build."""
+    lib = lib or lib_dir()
+    if lib is None or not lib.is_dir():
+        return {}
+    return {p.name[len(_PREFIX):-3]: p for p in sorted(lib.glob(_PREFIX + "*.so"))}
+
+
+def is_portable() -> bool:
+    return bool(variants())
+
+
+def cpu_flags() -> set[str]:
+    """The flags the kernel lists: it leaves out what XSAVE/XCR0 does not enable (AVX-512, AMX state)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def os_missing(name: str, flags: Optional[set[str]] = None) -> list[str]:
+    """Features variant `name` is built for that the kernel does not list (unknown names: none)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or name not in VARIANT_FEATURES:
+        return []
+    flags = cpu_flags() if flags is None else flags
+    return [f for f in VARIANT_FEATURES[name] if f not in flags]
+
+
+_SCORE = (
+    "import ctypes, os, sys\n"
+    "d = os.path.dirname(sys.argv[1])\n"
+    "base = os.path.join(d, 'libggml-base.so.0')\n"
+    "ctypes.CDLL(base if os.path.exists(base) else os.path.join(d, 'libggml-base.so'), mode=ctypes.RTLD_GLOBAL)\n"
+    "f = ctypes.CDLL(sys.argv[1]).ggml_backend_score\n"
+    "f.restype = ctypes.c_int\n"
+    "print(f())\n"
+)
+
+
+def score(path: Path) -> tuple[Optional[int], str]:
+    """llama.cpp's score for one variant (0: unsupported), in a child: loading it runs its code."""
+    try:
+        proc = subprocess.run([sys.executable, "-S", "-c", _SCORE, str(path)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return None, "scoring timed out"
+    if proc.returncode < 0:
+        return None, f"{signal.Signals(-proc.returncode).name} while loading it"
+    try:
+        return int(proc.stdout.strip().splitlines()[-1]), ""
+    except (ValueError, IndexError):
+        return None, "could not be loaded: " + ((proc.stderr.strip().splitlines() or ["no output"])[-1])[:160]
+
+
+def _choice_file(found: dict[str, Path]) -> Path:
+    from edgellm import paths
+
+    ident = {
+        "machine": platform.machine(), "flags": sorted(cpu_flags()),
+        "variants": {n: p.stat().st_size for n, p in found.items()},
+    }
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    return paths.cache_dir() / "cpu-backend" / f"{key}.json"
+
+
+def _forced(found: dict[str, Path]) -> Optional[Choice]:
+    want = os.environ.get(FORCE_ENV)
+    if not want:
+        return None
+    for name, path in found.items():
+        if want in (name, str(path)):
+            return Choice(name, str(path), f"forced by {FORCE_ENV}", False, "forced")
+    raise RuntimeFailure(f"{FORCE_ENV}={want} is not one of this build's CPU variants ({', '.join(found)})")
+
+
+def choose(model_path: Optional[Path] = None, *, refresh: bool = False, self_test: bool = True) -> Optional[Choice]:
+    """The variant this machine should run (None for a host-flags build).
+
+    Remembered choices are reused unless `refresh`. Otherwise the variants are
+    scored and, with a model and `self_test`, the best ones self-tested in
+    order until one passes; only such a verified choice is remembered.
+    """
+    found = variants()
+    if not found:
+        return None
+    forced = _forced(found)
+    if forced is not None:
+        return forced
+    memo = _choice_file(found)
+    if not refresh:
+        try:
+            data = json.loads(memo.read_text())
+            data["variants"] = [Variant(**v) for v in data.get("variants", [])]
+            if data.get("variant") in found:
+                return Choice(**{**data, "source": "remembered"})
+        except (OSError, ValueError, TypeError):
+            pass
+    flags = cpu_flags()
+    rows = []
+    for name, path in found.items():
+        s, err = score(path)
+        v = Variant(name, str(path), s)
+        if s is None:
+            v.status, v.reason = "crashed", err
+        elif s <= 0:
+            v.status, v.reason = "unsupported", "the CPU lacks what it is built for"
+        elif missing := os_missing(name, flags):
+            v.status, v.reason = "not enabled by the OS", f"CPUID has it, but the kernel does not list {', '.join(missing)}"
+        rows.append(v)
+    rows.sort(key=lambda v: -(v.score or 0))
+    candidates = [v for v in rows if not v.status]
+    if not candidates:
+        raise RuntimeFailure("no CPU variant of this llama.cpp build can run on this CPU: " +
+                             "; ".join(f"{v.name}: {v.reason}" for v in rows))
+    skipped: list[str] = []
+    chosen: Optional[Variant] = None
+    verified = False
+    for v in candidates:
+        if chosen is not None:
+            v.status = "not tried"
+            continue
+        if model_path is None or not self_test:
+            chosen = v
+            continue
+        from edgellm.engine.hardware import self_test as run_self_test
+
+        res = run_self_test(Path(model_path), env={**os.environ, FORCE_ENV: v.path, "GGML_BACKEND_PATH": v.path})
+        if res.ok:
+            chosen, verified, v.status = v, True, "passed"
+        else:
+            v.status, v.reason = "crashed" if res.signal else "failed", res.message
+            skipped.append(f"{v.name} {v.status} ({res.signal or res.message})")
+    if chosen is None:
+        raise RuntimeFailure("every CPU variant failed the self-test: " + "; ".join(skipped))
+    chosen.status = "chosen"
+    why = f"highest llama.cpp score ({chosen.score}) among the variants this CPU and OS support"
+    if skipped:
+        why = f"best variant that passed the self-test; skipped {', '.join(skipped)}"
+    elif verified:
+        why += ", self-test passed"
+    else:
+        why += "; not self-tested yet (no model)"
+    result = Choice(chosen.name, chosen.path, why, verified, "self-test" if verified else "score", rows)
+    if verified:
+        from edgellm.fsutil import atomic_write_text
+
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(memo, json.dumps(result.to_json(), indent=1) + "\n")
+    return result
+
+
+def _load_lib(lib: Path, name: str) -> ctypes.CDLL:
+    # By soname, the copy libllama loaded: another copy of libggml would keep its own registry.
+    path = lib / f"{name}.0"
+    return ctypes.CDLL(str(path if path.exists() else lib / name))
+
+
+def ensure(model_path: Optional[Path] = None, *, self_test: bool = True) -> Optional[Choice]:
+    """Load the chosen CPU variant and the other backend libraries into this process, once.
+
+    Must run before llama.cpp's first model load or device query (either would
+    otherwise make llama.cpp look for backends where they are not). A no-op,
+    returning None, for the host-flags build.
+    """
+    if "choice" in _loaded:
+        return _loaded["choice"]
+    choice = choose(model_path, self_test=self_test)
+    if choice is None:
+        _loaded["choice"] = None
+        return None
+    import llama_cpp  # noqa: F401  (loads libllama and the ggml libraries it needs)
+
+    lib = Path(choice.path).parent
+    ggml = _load_lib(lib, "libggml.so")
+    ggml.ggml_backend_load.argtypes, ggml.ggml_backend_load.restype = [ctypes.c_char_p], ctypes.c_void_p
+    ggml.ggml_backend_reg_by_name.argtypes, ggml.ggml_backend_reg_by_name.restype = [ctypes.c_char_p], ctypes.c_void_p
+    os.environ["GGML_BACKEND_PATH"] = choice.path
+    if not ggml.ggml_backend_reg_by_name(b"CPU"):
+        # The other backends first: llama.cpp lists devices in registration order, GPUs before the CPU.
+        for other in sorted(lib.glob("libggml-*.so")):
+            if other.name.startswith(_PREFIX) or other.name in ("libggml-base.so",):
+                continue
+            ggml.ggml_backend_load(str(other).encode())
+        if choice.variant in os.environ.get(BREAK_ENV, "").split(","):
+            os.kill(os.getpid(), signal.SIGILL)
+        if not ggml.ggml_backend_load(choice.path.encode()):
+            raise RuntimeFailure(f"llama.cpp could not load its CPU backend {choice.path}")
+    _loaded["choice"] = choice
+    return choice
+
+
+def current() -> Optional[Choice]:
+    """The variant `ensure()` loaded in this process, if any."""
+    return _loaded.get("choice")
