@@ -34,7 +34,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from edgellm.errors import RuntimeFailure
 
@@ -171,11 +171,15 @@ def _forced(found: dict[str, Path]) -> Optional[Choice]:
     raise RuntimeFailure(f"{FORCE_ENV}={want} is not one of this build's CPU variants ({', '.join(found)})")
 
 
-def choose(model_path: Optional[Path] = None, *, refresh: bool = False, self_test: bool = True) -> Optional[Choice]:
+# hardware.self_test(model, env=...): passed in, since hardware (doctor) needs this module
+Tester = Callable[..., Any]
+
+
+def choose(model_path: Optional[Path] = None, *, refresh: bool = False, tester: Optional[Tester] = None) -> Optional[Choice]:
     """The variant this machine should run (None for a host-flags build).
 
     Remembered choices are reused unless `refresh`. Otherwise the variants are
-    scored and, with a model and `self_test`, the best ones self-tested in
+    scored and, with a model and a `tester`, the best ones self-tested in
     order until one passes; only such a verified choice is remembered.
     """
     found = variants()
@@ -217,12 +221,10 @@ def choose(model_path: Optional[Path] = None, *, refresh: bool = False, self_tes
         if chosen is not None:
             v.status = "not tried"
             continue
-        if model_path is None or not self_test:
+        if model_path is None or tester is None:
             chosen = v
             continue
-        from edgellm.engine.hardware import self_test as run_self_test
-
-        res = run_self_test(Path(model_path), env={**os.environ, FORCE_ENV: v.path, "GGML_BACKEND_PATH": v.path})
+        res = tester(Path(model_path), env={**os.environ, FORCE_ENV: v.path, "GGML_BACKEND_PATH": v.path})
         if res.ok:
             chosen, verified, v.status = v, True, "passed"
         else:
@@ -253,7 +255,7 @@ def _load_lib(lib: Path, name: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(path if path.exists() else lib / name))
 
 
-def ensure(model_path: Optional[Path] = None, *, self_test: bool = True) -> Optional[Choice]:
+def ensure(model_path: Optional[Path] = None, *, tester: Optional[Tester] = None) -> Optional[Choice]:
     """Load the chosen CPU variant and the other backend libraries into this process, once.
 
     Must run before llama.cpp's first model load or device query (either would
@@ -262,7 +264,7 @@ def ensure(model_path: Optional[Path] = None, *, self_test: bool = True) -> Opti
     """
     if "choice" in _loaded:
         return _loaded["choice"]
-    choice = choose(model_path, self_test=self_test)
+    choice = choose(model_path, tester=tester)
     if choice is None:
         _loaded["choice"] = None
         return None

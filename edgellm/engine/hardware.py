@@ -202,7 +202,7 @@ def doctor(*, model_path: Optional[Path] = None, run_self_test: bool = True) -> 
     from edgellm.fsutil import free_bytes
 
     # Before any llama.cpp query: a portable build has no CPU backend until one is loaded.
-    choice = backends.ensure(model_path, self_test=run_self_test)
+    choice = backends.ensure(model_path, tester=self_test if run_self_test else None)
     cpu_f = cpu_features()
     info = _system_info()["raw"]
     comp = compiled_features()

@@ -164,9 +164,10 @@ class Runtime:
                 check_fits(self.memory, self.path.name, force=opts.force, warn=warn or log.warning)
         if opts.n_ctx < 8:
             raise UsageError(f"context size {opts.n_ctx} is too small")
-        from edgellm.engine import backends
+        from edgellm.engine import backends, hardware
 
-        backends.ensure(self.path)  # portable build: load its CPU variant before llama.cpp looks for one
+        # portable build: load its CPU variant (self-tested with this model the first time) before llama.cpp looks for one
+        backends.ensure(self.path, tester=hardware.self_test)
         import llama_cpp
 
         n_threads = opts.n_threads or default_threads()
