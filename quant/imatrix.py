@@ -191,6 +191,9 @@ class _Runner:
         self.n_seq = max(1, batch // ctx)
         self.n_batch = min(batch, self.n_seq * ctx)
         self.collector = Collector(chunk_size=ctx)
+        from edgellm.engine import backends, hardware
+
+        backends.ensure(path, tester=hardware.self_test)  # the portable build's CPU variant, before the load
         mp = ll.llama_model_default_params()
         mp.n_gpu_layers = 0
         self.ctx = None

@@ -163,6 +163,9 @@ class LogitsRunner:
         llama_cpp = _quiet_llama()
         self._ll = llama_cpp
         self.threads = threads or default_threads()
+        from edgellm.engine import backends, hardware
+
+        backends.ensure(self.path, tester=hardware.self_test)  # the portable build's CPU variant, before the load
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = 0
         if rpc_plan is not None:  # layers on llama.cpp RPC workers (edgellm.engine.rpc); the plan was printed

@@ -73,6 +73,9 @@ def _load(name: str) -> ctypes.CDLL:
 def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL]:
     cached = _state.get("libs")
     if cached is None:
+        from edgellm.engine import backends
+
+        backends.ensure()  # a portable build registers RPC (a loadable backend) and its CPU variant here
         base, ggml, rpc = _load("libggml-base.so"), _load("libggml.so"), _load("libggml-rpc.so")
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         rpc.ggml_backend_rpc_add_server.argtypes, rpc.ggml_backend_rpc_add_server.restype = [ctypes.c_char_p], vp

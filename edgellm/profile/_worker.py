@@ -158,6 +158,8 @@ class _Threadpool:
     """
 
     def __init__(self, llama_cpp, ctx, n_threads: int) -> None:
+        from edgellm.engine import backends
+
         self.ptr = None
         self.free = None
         try:
@@ -165,7 +167,9 @@ class _Threadpool:
             # another copy of ggml would be foreign to this context
             libdir = Path(getattr(llama_cpp.llama_cpp, "_base_path", Path(llama_cpp.__file__).parent / "lib"))
             ext = {"darwin": "dylib", "win32": "dll"}.get(sys.platform, "so")
-            cpu = ctypes.CDLL(str(next(p for p in libdir.glob(f"*ggml-cpu*.{ext}"))))
+            # the portable build's CPU backend is the variant edgellm loaded, not any libggml-cpu-* file
+            loaded = backends.current()
+            cpu = ctypes.CDLL(loaded.path if loaded else str(next(p for p in libdir.glob(f"*ggml-cpu*.{ext}"))))
             base = ctypes.CDLL(str(next(p for p in libdir.glob(f"*ggml-base*.{ext}"))))
 
             class Params(ctypes.Structure):
@@ -244,6 +248,9 @@ def run(req: dict[str, Any]) -> int:
             log_lines.append(text.decode("utf-8", "replace"))
 
     llama_cpp.llama_log_set(on_log, ctypes.c_void_p(0))
+    from edgellm.engine import backends
+
+    backends.ensure()  # the portable build's CPU variant (bench() chose and remembered it), before llama.cpp looks
     llama_cpp.llama_backend_init()
 
     path = str(req["path"])

@@ -93,6 +93,11 @@ def bench(
         info = read_gguf(res.path)  # a bad file fails here, before llama.cpp sees it
         label = res.record.name if res.record else res.path.name
         targets.append((label, res.path, info, [str(p) for p in split_set(res.path)]))
+    from edgellm.engine import backends, hardware
+
+    # the portable build: choose (and remember) its CPU variant here, self-tested in a child, so the
+    # workers below load a variant known to run and spend none of their time on the choice
+    backends.choose(targets[0][1], tester=hardware.self_test)
     bw = measure_bandwidth_now(threads=n_threads) if measure_bandwidth else None
     tests = [{"name": f"pp{pp}", "n_prompt": pp, "n_gen": 0}]
     if tg:
