@@ -136,7 +136,10 @@ def test_quant_with_imatrix_is_byte_identical_to_llama_quantize(cli, f16_model, 
     assert rec.extra["imatrix"]["sha256"] == _sha(reference_imatrix)
     shown = cli("inspect", "smollm2-135m-instruct-q4_k_m-imat", "--json")
     assert shown.exit_code == 0, shown
-    assert "quantize.imatrix.file" in shown.stdout and str(reference_imatrix) in shown.stdout
+    d = shown.json()
+    # llama.cpp's quantize.imatrix.* keys in the file, and edgellm's lineage in the store
+    assert d["imatrix"]["file"] == str(reference_imatrix) and d["imatrix"]["entries_count"] == 210
+    assert d["imatrix"]["chunks_count"] == CHUNKS and d["imatrix_lineage"]["sha256"] == _sha(reference_imatrix)
 
 
 def test_imatrix_changes_the_quant(cli, f16_model, session_imatrix):
