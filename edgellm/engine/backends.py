@@ -193,8 +193,8 @@ def choose(model_path: Optional[Path] = None, *, refresh: bool = False, tester: 
         try:
             data = json.loads(memo.read_text())
             data["variants"] = [Variant(**v) for v in data.get("variants", [])]
-            if data.get("variant") in found:
-                return Choice(**{**data, "source": "remembered"})
+            if data.get("variant") in found:  # the path from this install: the same wheel may sit in several venvs
+                return Choice(**{**data, "path": str(found[data["variant"]]), "source": "remembered"})
         except (OSError, ValueError, TypeError):
             pass
     flags = cpu_flags()
