@@ -12,9 +12,9 @@ GGML_VK_VISIBLE_DEVICES names them (e.g. GGML_VK_VISIBLE_DEVICES=0).
 the number llama.cpp gets and the bytes that land on the device and the host.
 The sizes come from `edgellm.engine.memory.estimate()` (the RAM guard's
 estimate: KV cache and compute buffers) split per layer with the real tensor
-sizes from the GGUF: llama.cpp offloads the last N of its n_layer + 1
-"layers" (the repeating blocks, then the output layer), each with its KV cache,
-and puts one compute buffer on the device once any layer is there. The
+sizes from the GGUF: llama.cpp's N offloaded "layers" are the output layer
+first, then the last N - 1 repeating blocks (of n_layer + 1 in all), each
+block with its KV cache, plus one compute buffer on the device. The
 token embeddings always stay on the host.
 """
 
@@ -109,6 +109,23 @@ def list_devices() -> list[GpuDevice]:
     lib = _ggml()
     if lib is None:
         return []
+    import llama_cpp
+    from llama_cpp import _logger
+
+    # The first registry call starts the backends; Vulkan's start-up chatter ("Found 1 Vulkan devices")
+    # would reach the user's terminal through llama-cpp-python's logger.
+    @llama_cpp.llama_log_callback
+    def drop(level, text, _user):
+        pass
+
+    llama_cpp.llama_log_set(drop, None)
+    try:
+        return _enumerate(lib)
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, None)
+
+
+def _enumerate(lib) -> list[GpuDevice]:
     out: list[GpuDevice] = []
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)
@@ -142,6 +159,12 @@ def no_device_reason() -> str:
         hint = ("; Mesa's lavapipe (a software Vulkan device) is installed, which llama.cpp hides unless "
                 "GGML_VK_VISIBLE_DEVICES names it (e.g. GGML_VK_VISIBLE_DEVICES=0)")
     return "no GPU device: llama.cpp's GPU backend sees no device" + hint
+
+
+def device_lines() -> list[str]:
+    """For the TUI's System screen and doctor: one line per device, or why there is none."""
+    devs = list_devices()
+    return [d.describe() for d in devs] or [no_device_reason()]
 
 
 def _llama_order(devices: Sequence[GpuDevice]) -> list[GpuDevice]:
@@ -182,25 +205,29 @@ class LayerCosts:
     output_copy: int  # tied embeddings: llama.cpp's device copy of token_embd for the output layer
     host_only_weights: int  # token_embd and anything llama.cpp keeps on the CPU
     compute_bytes: int  # one compute buffer on the device once any layer is offloaded
+    host_compute_offloaded: int  # what stays on the host then (input rows; measured 4 MB on lavapipe)
 
     @property
     def n_layers(self) -> int:
         return len(self.block_weights)
 
     def device_bytes(self, n_gpu_layers: int) -> int:
-        """Device bytes for llama.cpp's n_gpu_layers (n_layers + 1 = every block and the output layer)."""
+        """Device bytes for llama.cpp's n_gpu_layers: the output layer goes first, then the last
+        n_gpu_layers - 1 blocks, each with its KV cache, and one compute buffer (llama-model.cpp)."""
         k = max(0, min(n_gpu_layers, self.n_layers + 1))
         if k == 0:
             return 0
-        blocks = min(k, self.n_layers)
-        b = sum(self.block_weights[self.n_layers - blocks:]) + blocks * self.block_kv + self.compute_bytes
-        return b + (self.output_weights + self.output_copy if k > self.n_layers else 0)
+        blocks = k - 1
+        return (self.output_weights + self.output_copy + sum(self.block_weights[self.n_layers - blocks:])
+                + blocks * self.block_kv + self.compute_bytes)
 
     def host_bytes(self, n_gpu_layers: int) -> int:
-        """Host bytes: what is not offloaded, plus the CPU's own compute buffer (always there)."""
+        """Host bytes: the weights and KV cache not offloaded, and the host's compute buffer."""
         k = max(0, min(n_gpu_layers, self.n_layers + 1))
-        moved = self.device_bytes(k) - (self.compute_bytes if k else 0) - (self.output_copy if k > self.n_layers else 0)
-        return self.total_bytes() - moved + self.compute_bytes
+        if k == 0:
+            return self.total_bytes() + self.compute_bytes
+        moved = self.device_bytes(k) - self.compute_bytes - self.output_copy
+        return self.total_bytes() - moved + self.host_compute_offloaded
 
     def total_bytes(self) -> int:
         """Weights + KV of the whole model (compute buffers aside), each tensor counted once."""
@@ -233,7 +260,10 @@ def layer_costs(path: Path | str, info, *, ctx: int, kv_type: str = "f16", n_uba
                 embd = t.n_bytes
     # tied embeddings: llama.cpp loads a second copy of token_embd for the output layer
     copy = 0 if has_output else embd
-    return LayerCosts(blocks, est.kv_bytes // n if n else 0, output, copy, host, est.compute_bytes)
+    # Once a layer is offloaded the logits and attention run on the device (llama.cpp offloads the
+    # big matmuls too); the host keeps a buffer of input rows, the estimate's activation term.
+    host_compute = min(est.compute_bytes, 3 * 4 * min(n_ubatch, ctx) * int(info.embedding_length or 0))
+    return LayerCosts(blocks, est.kv_bytes // n if n else 0, output, copy, host, est.compute_bytes, host_compute)
 
 
 @dataclass
@@ -415,8 +445,10 @@ def allocation_report(plan: Optional[GpuPlan], log_text: str, n_gpu_layers: int)
 def _failure_reason(log_text: str, exc: BaseException) -> str:
     lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
     hits = [ln for ln in lines if re.search(r"error|unable|failed|lost|out of (device )?memory", ln, re.I)]
+    placed = [m.group(1) for m in _BUF.finditer(log_text) if m.group(2) == "model" and is_device_buffer(m.group(1))]
     if hits:
-        return hits[0].split("error loading model:", 1)[-1].strip()[:200]
+        reason = hits[0].split("error loading model:", 1)[-1].strip()[:200]
+        return reason + (f", after the weights were placed on {placed[0]}" if placed else "")
     return (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:200]
 
 
@@ -482,6 +514,6 @@ def load_llama(kw: dict[str, Any], plan: Optional[GpuPlan], *, name: str, quiet=
 
 
 __all__ = [
-    "GpuDevice", "GpuPlan", "LayerCosts", "list_devices", "gpu_backends", "no_device_reason", "find_device", "plan_offload", "layer_costs", "parse_size",
+    "GpuDevice", "GpuPlan", "LayerCosts", "list_devices", "gpu_backends", "no_device_reason", "device_lines", "find_device", "plan_offload", "layer_costs", "parse_size",
     "parse_buffers", "split_bytes", "is_software", "SOFTWARE_NOTE", "budget_for", "load_llama",
 ]
