@@ -93,6 +93,9 @@ def test_installs_with_no_network_and_chat_answers(bundle, tmp_path):
     out = proc.stdout
     assert f"imported {DEFAULT_NAME}: q4_1, 135M parameters, sha256 {DEFAULT_SHA[:12]}..." in out
     assert "self-test         passed: 8 tokens" in out, out
+    if json.loads((bundle / "bundle.json").read_text())["llama_cpp_python"]["portable"]:
+        # the portable wheel (cached by setup.sh --portable): the target chose a CPU variant and self-tested it
+        assert "cpu backend " in out and " (self-test): " in out, out
     venv = tmp_path / "venv"
     assert out.strip().splitlines()[-1].startswith(f"next: {venv}/bin/edgellm chat {DEFAULT_NAME}")
     # the venv runs the bundle's llama.cpp build, not the test suite's
