@@ -77,7 +77,7 @@ def start_llama_server(path: Path, threads: int | None, parallel: int, ctx: int)
         check=True, capture_output=True, text=True).stdout.strip()
     port = _free_port()
     cmd = [str(Path(tools) / "llama-server"), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
-           "--parallel", str(parallel), "-c", str(ctx), "--no-webui"]
+           "--parallel", str(parallel), "-c", str(ctx), "--no-webui", "-fa", "off"]  # as edgellm runs
     if threads:
         cmd += ["-t", str(threads), "-tb", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
