@@ -22,7 +22,7 @@ source scripts/_cpu_flags.sh
 ARGS="$(edgellm_cmake_args "${EDGELLM_GPU:-}")"
 KEY="$(edgellm_flags_key "$ARGS")"
 OUT="$EDGELLM_CACHE/llama-tools/$LLAMA_CPP_PYTHON_VERSION-$KEY-shared"
-TOOLS="${*:-llama-bench llama-perplexity llama-quantize llama-imatrix rpc-server}"
+TOOLS="${*:-llama-bench llama-perplexity llama-quantize llama-imatrix ggml-rpc-server}"
 
 have_all() { for t in $TOOLS; do [ -x "$OUT/bin/$t" ] || return 1; done; }
 if have_all; then echo "$OUT/bin"; exit 0; fi

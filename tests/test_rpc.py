@@ -386,3 +386,30 @@ def test_a_worker_that_died_while_serve_was_idle_is_a_503_before_any_work(defaul
         a.stop()
         b.stop()
     assert server.returncode == 0 and "edgellm serve: stopped" in err
+
+
+def test_llama_cpps_own_rpc_server_serves_an_edgellm_host(workers, default_model, llama_tools):
+    """Same protocol both ways: llama.cpp's rpc-server (same vendored tree) beside an edgellm worker."""
+    port = free_port()
+    srv = subprocess.Popen([str(llama_tools / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        from edgellm.engine.rpc import Endpoint, RpcError, probe
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                info = probe(Endpoint("127.0.0.1", port), timeout=2)
+                break
+            except RpcError:
+                assert time.monotonic() < deadline and srv.poll() is None, "rpc-server did not start"
+                time.sleep(0.2)
+        assert info.version == (7, 0, 0)
+        local = _chat(DEFAULT_NAME)
+        split = _chat(DEFAULT_NAME, "--rpc", f"{workers[0].address},127.0.0.1:{port}")
+        assert local.exit_code == 0 and split.exit_code == 0, (local, split)
+        assert split.json()["reply"] == local.json()["reply"]
+        assert [d["where"] for d in split.json()["rpc_plan"]["devices"]][1:] == [workers[0].address, f"127.0.0.1:{port}"]
+    finally:
+        srv.kill()
+        srv.wait()
