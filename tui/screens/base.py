@@ -14,19 +14,27 @@ import time
 from typing import Any, Callable, Optional, TypeVar
 
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.screen import Screen
-from textual.widgets import Footer
+from textual.widgets import Button, Footer
 from textual.worker import get_current_worker
 
 from edgellm.errors import Cancelled, EdgeLLMError
+from edgellm.models.store import ModelRecord, Store
 from edgellm.progress import CancelToken, Progress, ProgressCallback
 
 from tui.modes import SCREENS
+from tui.widgets.jobbar import JobBar
+from tui.widgets.modals import ConfirmModal
 from tui.widgets.nav import NavBar
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Keys that several screens bind alike, defined once so they stay alike.
+CANCEL = Binding("escape", "cancel", "Cancel")
+REFRESH = Binding("r", "refresh", "Refresh")
 
 
 def one_line(e: BaseException) -> str:
@@ -40,12 +48,97 @@ class BaseScreen(Screen):
     """A screen with the nav bar on top and the footer of its own keys below."""
 
     MODE = ""
+    # The screen's running job where it runs one at a time (None when idle);
+    # the app cancels every token it handed out on quit.
+    token: Optional[CancelToken] = None
+    CANCELLING = "cancelling..."  # the notice when Escape cancels that job
+    BUTTONS: dict[str, str] = {}  # {button id: the action it runs}, the action its key runs too
 
     def compose_nav(self) -> ComposeResult:
         yield NavBar(self.MODE, SCREENS, id="nav")
 
     def compose_footer(self) -> ComposeResult:
         yield Footer()
+
+    def on_screen_resume(self) -> None:
+        if self.is_mounted:
+            self.reload()
+
+    def reload(self) -> None:
+        """Re-read what another screen may have changed meanwhile (the store):
+        called each time this screen is shown again, and by its refresh key."""
+
+    def action_refresh(self) -> None:
+        self.reload()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        action = self.BUTTONS.get(event.button.id or "")
+        if action:
+            getattr(self, f"action_{action}")()
+
+    def picked(self, select_id: str, warning: str) -> str:
+        """The value picked in a Select; "" with `warning` shown when none is."""
+        value = selected_value(self.query_one(select_id))
+        if not value:
+            self.notify(warning, severity="warning")
+        return value
+
+    def confirm_delete(self, question: str, delete: Callable[[], Any], deleted: str, then: Callable[[], None]) -> None:
+        """Ask `question`; on yes `delete()`, then say `deleted` and call `then`
+        (a failure is shown as its one line, and nothing follows it)."""
+
+        def go(yes: bool | None) -> None:
+            if not yes:
+                return
+            try:
+                delete()
+            except Exception as e:
+                self.notify_error(e, "delete")
+                return
+            self.notify(deleted)
+            then()
+
+        self.app.push_screen(ConfirmModal(question), go)
+
+    def store_models(self) -> list[ModelRecord]:
+        """The store's models; none, with the reason on screen, when it cannot be read."""
+        try:
+            return Store().list()
+        except Exception as e:
+            self.notify_error(e, "store")
+            return []
+
+    # -- the screen's one job ----------------------------------------------
+
+    def busy(self, message: str) -> bool:
+        """True, with `message` as a warning, while the screen's job runs."""
+        if self.token is None:
+            return False
+        self.notify(f"{message} (Escape cancels it)", severity="warning")
+        return True
+
+    def start_job(self, task: str) -> CancelToken:
+        """The new job's cancel token; `task` names it on the job bar."""
+        self.token = self.app.new_token()
+        self.query_one(JobBar).start(task)
+        return self.token
+
+    def job_progress(self, p: Progress) -> None:
+        self.query_one(JobBar).update_from(p)
+
+    def end_job(self, what: str, ok: bool, reason: str, cancelled: bool) -> None:
+        """`WHAT done|failed|cancelled` on the job bar, a failure's reason kept
+        under it, and a notice when it is done."""
+        self.token = None
+        outcome = "done" if ok else ("cancelled" if cancelled else "failed")
+        self.query_one(JobBar).finish(f"{what} {outcome}", complete=ok, reason=reason if outcome == "failed" else "")
+        if ok:
+            self.notify(f"{what} done")
+
+    def action_cancel(self) -> None:
+        if self.token is not None:
+            self.token.cancel("cancelled by the user")
+            self.notify(self.CANCELLING)
 
     # -- thread helpers ----------------------------------------------------
 

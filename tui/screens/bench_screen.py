@@ -15,14 +15,13 @@ from textual.containers import Horizontal
 from textual.widgets import Button, DataTable, Input, Label, Select, Sparkline, Static
 
 from edgellm.fsutil import human_size
-from edgellm.models.store import Store
 from edgellm.profile.bench import bench
 from edgellm.profile.results import load_bench_results
-from edgellm.progress import Progress
 
+from tui.widgets.fields import set_choices, steady_cursors
 from tui.widgets.jobbar import JobBar
 from tui.widgets.tables import fill
-from tui.screens.base import BaseScreen, selected_value
+from tui.screens.base import CANCEL, REFRESH, BaseScreen
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +39,12 @@ class BenchScreen(BaseScreen):
     results take one path to the screen."""
 
     MODE = "bench"
-    BINDINGS = [Binding("g", "run", "Run bench"), Binding("escape", "cancel", "Cancel"), Binding("r", "refresh", "Refresh")]
+    BINDINGS = [Binding("g", "run", "Run bench"), CANCEL, REFRESH]
+    CANCELLING = "cancelling the benchmark..."
+    BUTTONS = {"bench-go": "run"}
 
     def __init__(self) -> None:
         super().__init__()
-        self.token = None
         self.rows: list[dict] = []  # the table's rows, in its order
         self.samples: list[float] = []
 
@@ -66,49 +66,23 @@ class BenchScreen(BaseScreen):
         yield from self.compose_footer()
 
     def on_mount(self) -> None:
-        if self.app.stable:
-            for inp in self.query(Input):
-                inp.cursor_blink = False
+        steady_cursors(self)
         self.query_one("#bench-results", DataTable).add_columns("Model", "Test", "tok/s", "±", "TTFT s", "Load s")
         self.action_refresh()
 
-    def on_screen_resume(self) -> None:
-        if self.is_mounted:
-            self._refresh_models()
-
-    def _refresh_models(self) -> None:
-        sel = self.query_one("#bench-model", Select)
-        try:
-            names = [m.name for m in Store().list()]
-        except Exception as e:
-            self.notify_error(e, "store")
-            names = []
-        cur = sel.value
-        sel.set_options([(n, n) for n in names])
-        if cur in names:
-            sel.value = cur
-        elif names:
-            sel.value = names[0]
+    def reload(self) -> None:
+        set_choices(self.query_one("#bench-model", Select), [m.name for m in self.store_models()])
 
     def action_refresh(self) -> None:
-        self._refresh_models()
+        self.reload()
         self.in_background("saved bench results", load_bench_results, self._show_saved)
 
     def _show_saved(self, rows: list[dict]) -> None:
         if rows and self.token is None:
             self.show_results(rows)
 
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "bench-go":
-            self.action_run()
-
     def action_run(self) -> None:
-        if self.token is not None:
-            self.notify("a benchmark is already running (Escape cancels it)", severity="warning")
-            return
-        model = selected_value(self.query_one("#bench-model", Select))
-        if not model:
-            self.notify("pick a model first", severity="warning")
+        if self.busy("a benchmark is already running") or not (model := self.picked("#bench-model", "pick a model first")):
             return
         try:
             pp, tg, reps = (_int_field(self.query_one(f"#{id_}", Input).value, label) for id_, label, _, _ in FIELDS)
@@ -117,36 +91,20 @@ class BenchScreen(BaseScreen):
             return
         self.samples = []
         self.query_one(Sparkline).data = []
-        self.token = self.app.new_token()
-        self.query_one(JobBar).start(f"bench {model}")
-        self._bench(model, pp, tg, reps, self.token)
+        self._bench(model, pp, tg, reps, self.start_job(f"bench {model}"))
 
     @work(thread=True, group="bench", exclusive=True)
     def _bench(self, model: str, pp: int, tg: int, reps: int, token) -> None:
         ok, out = self.run_guarded(
             f"bench {model}", bench, [model], pp=pp, tg=tg, repetitions=reps,
-            on_progress=self.progress_to(self._progress, min_interval=0.1), cancel=token, token=token,
+            on_progress=self.progress_to(self.job_progress, min_interval=0.1), cancel=token, token=token,
         )
         self.ui(self._done, [r.to_json() for r in out] if ok else None, "" if ok else out, token.cancelled)
 
-    def _progress(self, p: Progress) -> None:
-        self.query_one(JobBar).update_from(p)
-
     def _done(self, rows: Optional[list[dict]], reason: str, cancelled: bool) -> None:
-        self.token = None
-        failed = rows is None and not cancelled
-        self.query_one(JobBar).finish(
-            "benchmark done" if rows is not None else ("benchmark failed" if failed else "benchmark cancelled"),
-            complete=rows is not None, reason=reason if failed else "",
-        )
+        self.end_job("benchmark", rows is not None, reason, cancelled)
         if rows is not None:
             self.show_results(rows)
-            self.notify("benchmark done")
-
-    def action_cancel(self) -> None:
-        if self.token is not None:
-            self.token.cancel("cancelled by the user")
-            self.notify("cancelling the benchmark...")
 
     # -- rendering ------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from edgellm.profile.live import LiveSampler
 
 from tui.modes import SCREENS, key_label
 from tui.widgets.chat_settings import ChatSettings
-from tui.widgets.modals import ConfirmModal
+from tui.widgets.fields import steady_cursors
 from tui.widgets.tables import fill
 from tui.screens.base import BaseScreen
 
@@ -96,21 +96,15 @@ class ChatScreen(BaseScreen):
         yield from self.compose_footer()
 
     def on_mount(self) -> None:
-        if self.app.stable:
-            for inp in self.query(Input):
-                inp.cursor_blink = False
+        steady_cursors(self)
         self.query_one("#chat-sessions", DataTable).add_columns("Session", "Model", "Turns", "First message")
-        self._refresh_models()
+        self.reload()
         self.query_one("#chat-input", Input).focus()
-
-    def on_screen_resume(self) -> None:
-        if self.is_mounted:
-            self._refresh_models()
 
     def on_unmount(self) -> None:
         self._close_session()
 
-    def _refresh_models(self) -> None:
+    def reload(self) -> None:
         try:
             names = [m.name for m in Store().list()]
             default = load_catalog().default.name
@@ -313,19 +307,7 @@ class ChatScreen(BaseScreen):
         sid = self._selected_session()
         if not sid:
             return
-
-        def go(yes: bool | None) -> None:
-            if not yes:
-                return
-            try:
-                history.delete(sid)
-            except Exception as e:
-                self.notify_error(e, "delete")
-                return
-            self.notify(f"deleted session {sid}")
-            self.refresh_sessions()
-
-        self.app.push_screen(ConfirmModal(f"Delete chat session {sid}?"), go)
+        self.confirm_delete(f"Delete chat session {sid}?", lambda: history.delete(sid), f"deleted session {sid}", self.refresh_sessions)
 
     def action_export_session(self) -> None:
         sid = self._selected_session()

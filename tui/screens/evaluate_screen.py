@@ -14,16 +14,15 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, DataTable, Input, Label, Select, Static
 
 from edgellm.fsutil import human_size
-from edgellm.models.store import Store
-from edgellm.progress import Progress
 from quant.evaluate import EvalReport, evaluate, load_eval_results
 from quant.recommend import Recommendation, recommend
 from quant.corpus import BUILTIN_CORPUS
 
+from tui.widgets.fields import set_choices, steady_cursors
 from tui.widgets.jobbar import JobBar
 from tui.widgets.tables import fill
 from tui.widgets.plot import ScatterPlot
-from tui.screens.base import BaseScreen, one_line, selected_value
+from tui.screens.base import CANCEL, REFRESH, BaseScreen, one_line
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +31,14 @@ class EvaluateScreen(BaseScreen):
     MODE = "evaluate"
     BINDINGS = [
         Binding("g", "run", "Run eval"),
-        Binding("escape", "cancel", "Cancel"),
+        CANCEL,
         Binding("k", "toggle_metric", "KLD/ΔPPL chart"),
-        Binding("r", "refresh", "Refresh"),
+        REFRESH,
     ]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.token = None
-        self.report: Optional[EvalReport] = None
-        self.metric = "kld_mean"
+    CANCELLING = "cancelling the evaluation..."
+    BUTTONS = {"eval-go": "run"}
+    report: Optional[EvalReport] = None  # the one on show
+    metric = "kld_mean"  # the chart's y axis
 
     def compose(self) -> ComposeResult:
         yield from self.compose_nav()
@@ -66,35 +63,17 @@ class EvaluateScreen(BaseScreen):
         yield from self.compose_footer()
 
     def on_mount(self) -> None:
-        if self.app.stable:
-            for inp in self.query(Input):
-                inp.cursor_blink = False
+        steady_cursors(self)
         self.query_one("#eval-results", DataTable).add_columns("Level", "Size", "PPL", "ΔPPL %", "KLD", "Same top %", "tok/s")
         self.action_refresh()
 
-    def on_screen_resume(self) -> None:
-        if self.is_mounted:
-            self._refresh_bases()
-
-    def _refresh_bases(self) -> None:
-        sel = self.query_one("#eval-base", Select)
-        try:
-            recs = Store().list()
-        except Exception as e:
-            self.notify_error(e, "store")
-            recs = []
-        names = [m.name for m in recs]
-        cur = sel.value
-        sel.set_options([(n, n) for n in names])
-        if cur in names:
-            sel.value = cur
-        else:
-            floats = [m.name for m in recs if m.level in ("f16", "bf16", "f32")]
-            if floats or names:
-                sel.value = (floats or names)[0]
+    def reload(self) -> None:
+        recs = self.store_models()
+        floats = [m.name for m in recs if m.level in ("f16", "bf16", "f32")]  # the best base to quantize from
+        set_choices(self.query_one("#eval-base", Select), [m.name for m in recs], default=(floats or [""])[0])
 
     def action_refresh(self) -> None:
-        self._refresh_bases()
+        self.reload()
         self.in_background("saved evaluations", _saved, self._show_saved)
 
     def _show_saved(self, saved: tuple[Optional[EvalReport], "Recommendation | str"]) -> None:
@@ -105,17 +84,8 @@ class EvaluateScreen(BaseScreen):
 
     # -- running -------------------------------------------------------------
 
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "eval-go":
-            self.action_run()
-
     def action_run(self) -> None:
-        if self.token is not None:
-            self.notify("an evaluation is already running (Escape cancels it)", severity="warning")
-            return
-        base = selected_value(self.query_one("#eval-base", Select))
-        if not base:
-            self.notify("pick a base model (an F16 conversion is best)", severity="warning")
+        if self.busy("an evaluation is already running") or not (base := self.picked("#eval-base", "pick a base model (an F16 conversion is best)")):
             return
         levels = [x.strip().lower() for x in self.query_one("#eval-levels", Input).value.split(",") if x.strip()]
         text = self.query_one("#eval-text", Input).value.strip() or None
@@ -123,9 +93,7 @@ class EvaluateScreen(BaseScreen):
         if chunks_s and not chunks_s.isdigit():
             self.notify(f"Chunks: a whole number, not {chunks_s!r}", severity="warning")
             return
-        self.token = self.app.new_token()
-        self.query_one(JobBar).start(f"eval {base}")
-        self._eval(base, levels, text, int(chunks_s) if chunks_s else None, self.token)
+        self._eval(base, levels, text, int(chunks_s) if chunks_s else None, self.start_job(f"eval {base}"))
 
     @work(thread=True, group="evaluate", exclusive=True)
     def _eval(self, base: str, levels: list[str], text: Optional[str], chunks: Optional[int], token) -> None:
@@ -133,30 +101,16 @@ class EvaluateScreen(BaseScreen):
         source = dict(text=text) if text else dict(corpus=BUILTIN_CORPUS)
         ok, out = self.run_guarded(
             f"evaluate {base}", evaluate, base, levels, chunks=chunks, **source,
-            on_progress=self.progress_to(self._progress), cancel=token, token=token,
+            on_progress=self.progress_to(self.job_progress), cancel=token, token=token,
         )
         rec = _recommendation() if ok else None
         self.ui(self._done, out if ok else None, rec, "" if ok else out, token.cancelled)
 
-    def _progress(self, p: Progress) -> None:
-        self.query_one(JobBar).update_from(p)
-
     def _done(self, report: Optional[EvalReport], rec: "Recommendation | str | None", reason: str, cancelled: bool) -> None:
-        self.token = None
-        failed = report is None and not cancelled
-        self.query_one(JobBar).finish(
-            "evaluation done" if report is not None else ("evaluation failed" if failed else "evaluation cancelled"),
-            complete=report is not None, reason=reason if failed else "",
-        )
+        self.end_job("evaluation", report is not None, reason, cancelled)
         if report is not None:
             self.show_results(report)
             self._show_rec(rec)
-            self.notify("evaluation done")
-
-    def action_cancel(self) -> None:
-        if self.token is not None:
-            self.token.cancel("cancelled by the user")
-            self.notify("cancelling the evaluation...")
 
     # -- rendering ------------------------------------------------------------
 

@@ -24,13 +24,12 @@ from edgellm.models.catalog import CatalogEntry, load_catalog
 from edgellm.models.pull import pull
 from edgellm.models.resolve import import_file, remove
 from edgellm.models.store import ModelRecord, Store
-from edgellm.progress import Progress
 from quant.levels import level_estimate
 
 from tui.widgets.jobbar import JobBar
-from tui.widgets.modals import AskModal, ConfirmModal, ReportModal
+from tui.widgets.modals import AskModal, ReportModal
 from tui.widgets.tables import fill
-from tui.screens.base import BaseScreen
+from tui.screens.base import REFRESH, BaseScreen
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +43,8 @@ class ModelsScreen(BaseScreen):
         Binding("d,delete", "delete", "Delete"),
         Binding("v", "inspect", "Inspect"),
         Binding("escape", "cancel", "Cancel job"),
-        Binding("r", "refresh", "Refresh"),
+        REFRESH,
     ]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.token = None
 
     def compose(self) -> ComposeResult:
         yield from self.compose_nav()
@@ -72,9 +67,8 @@ class ModelsScreen(BaseScreen):
         self.refresh_tables()
         self.query_one("#catalog", DataTable).focus()
 
-    def on_screen_resume(self) -> None:
-        if self.is_mounted:
-            self.refresh_tables()
+    def reload(self) -> None:
+        self.refresh_tables()
 
     # -- tables ------------------------------------------------------------
 
@@ -111,9 +105,6 @@ class ModelsScreen(BaseScreen):
         key = t.coordinate_to_cell_key((t.cursor_row, 0)).row_key.value
         return key or ""
 
-    def action_refresh(self) -> None:
-        self.refresh_tables()
-
     # -- pull --------------------------------------------------------------
 
     def action_pull(self) -> None:
@@ -128,22 +119,13 @@ class ModelsScreen(BaseScreen):
 
         self.app.push_screen(AskModal("Pull a model", [("ref", "Catalog NAME[:LEVEL] or Hub repo", "smollm2-135m-instruct:q8_0")], ok="Pull"), go)
 
-    def _busy(self) -> bool:
-        if self.query_one(JobBar).running:
-            self.notify("a job is already running here (Escape cancels it)", severity="warning")
-            return True
-        return False
-
     def start_pull(self, ref: str) -> None:
-        if self._busy():
-            return
-        self.token = self.app.new_token()
-        self.query_one(JobBar).start(f"pull {ref}")
-        self._pull(ref, self.token)
+        if not self.busy("a job is already running here"):
+            self._pull(ref, self.start_job(f"pull {ref}"))
 
     @work(thread=True, group="models-job")
     def _pull(self, ref: str, token) -> None:
-        ok, out = self.run_guarded(f"pull {ref}", pull, ref, on_progress=self.progress_to(self._progress), cancel=token, token=token)
+        ok, out = self.run_guarded(f"pull {ref}", pull, ref, on_progress=self.progress_to(self.job_progress), cancel=token, token=token)
         self.ui(self._done, f"pulled {out.name}" if ok else _failed("pull", token), ok, "" if ok or token.cancelled else out)
 
     # -- import ------------------------------------------------------------
@@ -159,23 +141,17 @@ class ModelsScreen(BaseScreen):
         )
 
     def start_import(self, path: str, name: str | None = None) -> None:
-        if self._busy():
-            return
-        self.token = self.app.new_token()
-        self.query_one(JobBar).start(f"import {Path(path).name}")
-        self._import(path, name, self.token)
+        if not self.busy("a job is already running here"):
+            self._import(path, name, self.start_job(f"import {Path(path).name}"))
 
     @work(thread=True, group="models-job")
     def _import(self, path: str, name, token) -> None:
         ok, out = self.run_guarded(
-            f"import {Path(path).name}", import_file, path, name=name, on_progress=self.progress_to(self._progress), cancel=token, token=token
+            f"import {Path(path).name}", import_file, path, name=name, on_progress=self.progress_to(self.job_progress), cancel=token, token=token
         )
         self.ui(self._done, f"imported {out.name}" if ok else _failed("import", token), ok, "" if ok or token.cancelled else out)
 
     # -- shared job plumbing -----------------------------------------------
-
-    def _progress(self, p: Progress) -> None:
-        self.query_one(JobBar).update_from(p)
 
     def _done(self, text: str, ok: bool, reason: str) -> None:
         self.query_one(JobBar).finish(text, complete=ok, reason=reason)
@@ -184,11 +160,6 @@ class ModelsScreen(BaseScreen):
             self.notify(text)
         self.refresh_tables()
 
-    def action_cancel(self) -> None:
-        if self.token is not None:
-            self.token.cancel("cancelled by the user")
-            self.notify("cancelling...")
-
     # -- delete / inspect ---------------------------------------------------
 
     def action_delete(self) -> None:
@@ -196,19 +167,7 @@ class ModelsScreen(BaseScreen):
         if not name:
             self.notify("select a model in the local store first", severity="warning")
             return
-
-        def go(yes: bool | None) -> None:
-            if not yes:
-                return
-            try:
-                remove(name)
-            except Exception as e:
-                self.notify_error(e, "delete")
-                return
-            self.notify(f"deleted {name}")
-            self.refresh_tables()
-
-        self.app.push_screen(ConfirmModal(f"Delete '{name}' and its files from the store?"), go)
+        self.confirm_delete(f"Delete '{name}' and its files from the store?", lambda: remove(name), f"deleted {name}", self.refresh_tables)
 
     @on(DataTable.RowSelected, "#store")
     def _store_row(self, _event: DataTable.RowSelected) -> None:

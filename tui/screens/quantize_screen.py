@@ -22,15 +22,15 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, DataTable, Label, Select
 
 from edgellm.fsutil import human_size
-from edgellm.models.store import Store
 from edgellm.progress import CancelToken, Progress
 from quant.levels import all_levels
 from quant.quantize import QuantizeResult, quantize
 
 from tui.widgets.checklist import CheckBox, CheckList
+from tui.widgets.fields import set_choices
 from tui.widgets.jobbar import JobBar
 from tui.widgets.tables import fill
-from tui.screens.base import BaseScreen, selected_value
+from tui.screens.base import REFRESH, BaseScreen
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,9 @@ class QuantizeScreen(BaseScreen):
         Binding("a", "queue", "Queue jobs"),
         Binding("x", "cancel_selected", "Cancel job"),
         Binding("escape", "cancel_running", "Cancel running"),
-        Binding("r", "refresh", "Refresh"),
+        REFRESH,
     ]
+    BUTTONS = {"quant-go": "queue"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -102,35 +103,15 @@ class QuantizeScreen(BaseScreen):
         self.query_one("#quant-results", DataTable).add_columns("Output", "Level", "Size", "BPW", "Fallback", "Seconds")
         self.action_refresh()
 
-    def on_screen_resume(self) -> None:
-        if self.is_mounted:
-            self.action_refresh()
-
-    def action_refresh(self) -> None:
-        sel = self.query_one("#quant-base", Select)
-        try:
-            names = [m.name for m in Store().list()]
-        except Exception as e:
-            self.notify_error(e, "store")
-            names = []
-        current = sel.value
-        sel.set_options([(n, n) for n in names])
-        if current in names:
-            sel.value = current
-        elif names:
-            sel.value = names[0]
+    def reload(self) -> None:
+        set_choices(self.query_one("#quant-base", Select), [m.name for m in self.store_models()])
 
     # -- queueing ----------------------------------------------------------
 
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "quant-go":
-            self.action_queue()
-
     def action_queue(self) -> None:
-        base = selected_value(self.query_one("#quant-base", Select))
+        base = self.picked("#quant-base", "pick a base model first (import or pull one on the Models screen)")
         levels = list(self.query_one("#quant-levels", CheckList).selected)
         if not base:
-            self.notify("pick a base model first (import or pull one on the Models screen)", severity="warning")
             return
         if not levels:
             self.notify("pick at least one level", severity="warning")

@@ -16,6 +16,8 @@ from textual.widgets import Input, Label, Select
 from edgellm.engine.runtime import RuntimeOptions, SamplingParams
 from edgellm.errors import UsageError
 
+from tui.widgets.fields import set_choices
+
 # key, label, default (str), placeholder; defaults are the core dataclasses' own
 _S = SamplingParams()
 FIELDS = [
@@ -55,13 +57,7 @@ class ChatSettings(VerticalScroll):
         return v
 
     def set_models(self, names: list[str], default: str = "") -> None:
-        sel = self.query_one("#set-model", Select)
-        cur = sel.value
-        sel.set_options([(n, n) for n in names])
-        if cur in names:
-            sel.value = cur
-        elif names:
-            sel.value = default if default in names else names[0]
+        set_choices(self.query_one("#set-model", Select), names, default)
 
     def reload_key(self) -> tuple:
         v = self.values()
