@@ -152,7 +152,7 @@ def gpu_backends() -> list[str]:
 
 def no_device_reason() -> str:
     if not gpu_backends():
-        return "no GPU device: this llama.cpp build is CPU-only (scripts/setup.sh --gpu ... builds a GPU one)"
+        return "no GPU device: this llama.cpp build has no GPU backend (CPU-only; scripts/setup.sh --gpu ... builds one)"
     hint = ""
     if "GGML_VK_VISIBLE_DEVICES" not in os.environ and any(
             any(Path(d).glob("lvp_icd*.json")) for d in ("/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d")):
