@@ -7,6 +7,7 @@ Threads are kept at 1 per process: three llama.cpp thread pools spinning on a
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -267,15 +268,34 @@ def _active(port: int) -> int:
         return sum(m.get("active", 0) for m in json.loads(r.read())["models"].values())
 
 
-def test_killing_a_worker_mid_request_gives_serve_a_503_and_no_hang(default_model):
+@contextlib.contextmanager
+def serve_over_two_workers(ctx: int):
+    """`edgellm serve` of the default model split over two workers of its own, for a test that
+    kills one. On the way out Ctrl-C must stop serve within 30 s; its stderr is then in `.err`."""
     a, b = Worker(), Worker()
     port = free_port()
-    server = subprocess.Popen(cli_argv("serve", DEFAULT_NAME, "--port", port, "--threads", "1", "--ctx", "2048", "--parallel", "1",
+    server = subprocess.Popen(cli_argv("serve", DEFAULT_NAME, "--port", port, "--threads", "1", "--ctx", ctx, "--parallel", "1",
                                        "--rpc", f"{a.address},{b.address}"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    s = SimpleNamespace(a=a, b=b, port=port, url=f"http://127.0.0.1:{port}/v1/chat/completions", server=server, err="")
     try:
         assert "listening on" in _readline(server.stdout, 120)
+        yield s
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            _out, s.err = server.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.communicate()
+            pytest.fail("serve did not stop within 30 s of Ctrl-C after losing a worker")
+        a.stop()
+        b.stop()
+
+
+def test_killing_a_worker_mid_request_gives_serve_a_503_and_no_hang(default_model):
+    with serve_over_two_workers(ctx=2048) as s:
+        b, port, url = s.b, s.port, s.url
         status, body = _post(url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})  # loads the model
         assert status == 200, body
         box: list = []
@@ -301,16 +321,6 @@ def test_killing_a_worker_mid_request_gives_serve_a_503_and_no_hang(default_mode
         assert time.monotonic() - t1 < 5
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:  # the server itself lives on
             assert r.status == 200
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.communicate()
-            pytest.fail("serve did not stop within 30 s of Ctrl-C after losing a worker")
-        a.stop()
-        b.stop()
 
 
 def test_doctor_shows_rpc_and_the_protocol_a_worker_speaks(cli, workers):
@@ -358,15 +368,9 @@ def test_bench_over_two_workers_reports_both_speeds_and_the_network_share(worker
 
 
 def test_a_worker_that_died_while_serve_was_idle_is_a_503_before_any_work(default_model):
-    a, b = Worker(), Worker()
-    port = free_port()
-    server = subprocess.Popen(cli_argv("serve", DEFAULT_NAME, "--port", port, "--threads", "1", "--ctx", "1024", "--parallel", "1",
-                                       "--rpc", f"{a.address},{b.address}"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
     hi = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    try:
-        assert "listening on" in _readline(server.stdout, 120)
+    with serve_over_two_workers(ctx=1024) as s:
+        a, url = s.a, s.url
         assert _post(url, hi)[0] == 200
         a.proc.kill()
         a.proc.wait()
@@ -375,21 +379,11 @@ def test_a_worker_that_died_while_serve_was_idle_is_a_503_before_any_work(defaul
         status, body = _post(url, hi, timeout=10)
         assert status == 503 and body["error"]["code"] == "rpc_worker_lost", body
         assert f"RPC worker {a.address} is gone" in body["error"]["message"] and time.monotonic() - t0 < 5
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            _out, err = server.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.communicate()
-            pytest.fail("serve did not stop within 30 s of Ctrl-C after losing a worker")
-        a.stop()
-        b.stop()
-    assert server.returncode == 0 and "edgellm serve: stopped" in err
+    assert s.server.returncode == 0 and "edgellm serve: stopped" in s.err
 
 
 def test_llama_cpps_own_rpc_server_serves_an_edgellm_host(workers, default_model, llama_tools):
-    """Same protocol both ways: llama.cpp's rpc-server (same vendored tree) beside an edgellm worker."""
+    """Same protocol both ways: llama.cpp's ggml-rpc-server (same vendored tree) beside an edgellm worker."""
     port = free_port()
     srv = subprocess.Popen([str(llama_tools / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
