@@ -6,7 +6,7 @@ import ctypes
 import json
 
 import pytest
-from support.helpers import DEFAULT_NAME, assert_one_line_error, store_snapshot
+from support.helpers import DEFAULT_NAME, CancelAfter, assert_refused, store_snapshot
 from support.quant_fixtures import F16_NAME
 
 
@@ -73,11 +73,7 @@ def test_f16_generates_like_its_q4_1_parent(f16_session, default_gguf):
 
 
 def test_convert_cli_refuses_existing_output_and_lists_lineage(cli, f16_model, edgellm_home):
-    before = store_snapshot(edgellm_home)
-    res = cli("convert", DEFAULT_NAME, "--to", "f16")
-    assert_one_line_error(res)
-    assert "already exists" in res.stderr and "--force" in res.stderr
-    assert store_snapshot(edgellm_home) == before
+    assert_refused(cli, edgellm_home, "convert", DEFAULT_NAME, "--to", "f16", says=["already exists", "--force"])
     models = {m["name"]: m for m in cli("models", "list", "--json").json()["models"]}
     assert models[F16_NAME]["parent"] == DEFAULT_NAME and models[F16_NAME]["level"] == "f16"
 
@@ -90,44 +86,26 @@ def test_convert_cli_refuses_existing_output_and_lists_lineage(cli, f16_model, e
     ],
 )
 def test_convert_bad_target(cli, default_model, edgellm_home, args, needle):
-    before = store_snapshot(edgellm_home)
-    res = cli("convert", DEFAULT_NAME, *args)
-    assert_one_line_error(res)
-    assert needle in res.stderr
-    assert store_snapshot(edgellm_home) == before
+    assert_refused(cli, edgellm_home, "convert", DEFAULT_NAME, *args, says=needle)
 
 
 def test_convert_same_type_and_text_file(cli, f16_model, edgellm_home, tmp_path):
     text = tmp_path / "notes.gguf"
     text.write_text("just some text, not a model\n")
-    before = store_snapshot(edgellm_home)
-    res = cli("convert", F16_NAME, "--to", "f16")
-    assert_one_line_error(res)
-    assert "already f16" in res.stderr
-    res = cli("convert", str(text), "--to", "f16")
-    assert_one_line_error(res)
-    assert "not a GGUF" in res.stderr
-    assert store_snapshot(edgellm_home) == before
+    assert_refused(cli, edgellm_home, "convert", F16_NAME, "--to", "f16", says="already f16")
+    assert_refused(cli, edgellm_home, "convert", str(text), "--to", "f16", says="not a GGUF")
 
 
 def test_convert_cancel_leaves_nothing(default_model, edgellm_home):
     from edgellm.errors import Cancelled
-    from edgellm.progress import CancelToken
     from edgellm.models.store import Store
     from quant.convert import convert
 
-    token = CancelToken()
-    seen = []
-
-    def on_progress(p):
-        seen.append(p.done)
-        if p.done >= 20:
-            token.cancel()
-
+    stop = CancelAfter(20)
     before = store_snapshot(edgellm_home)
     with pytest.raises(Cancelled):
-        convert(DEFAULT_NAME, "bf16", on_progress=on_progress, cancel=token)
-    assert max(seen) == 20
+        convert(DEFAULT_NAME, "bf16", on_progress=stop, cancel=stop.token)
+    assert max(stop.seen) == 20
     assert store_snapshot(edgellm_home) == before
     assert not list(edgellm_home.rglob("*.partial"))
     assert Store().find("smollm2-135m-instruct-bf16") is None

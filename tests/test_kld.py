@@ -23,6 +23,14 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
+def noisy_pair(seed: int, n: int, V: int, *, scale: float, noise: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Seeded base logits (n x V, `scale` wide), a "quantized" copy with `noise` added, and n targets."""
+    rng = np.random.default_rng(seed)
+    base = (rng.standard_normal((n, V)) * scale).astype(np.float32)
+    quant = (base + rng.standard_normal((n, V)) * noise).astype(np.float32)
+    return base, quant, rng.integers(0, V, n)
+
+
 def run(base_logits: np.ndarray, q_logits: np.ndarray, targets: np.ndarray, *, k: int, m: int = 0,
         chunk: int | None = None) -> KLDAccumulator:
     """Base pass then quantized pass, `chunk` rows at a time, as quant/evaluate.py feeds them."""
@@ -67,11 +75,8 @@ def test_kl_of_known_distributions():
 
 
 def test_statistics_equal_numpy_on_random_logits():
-    rng = np.random.default_rng(3)
     n, V = 40, 9
-    base = (rng.standard_normal((n, V)) * 2).astype(np.float32)
-    quant = (base + rng.standard_normal((n, V)) * 0.7).astype(np.float32)
-    targets = rng.integers(0, V, n)
+    base, quant, targets = noisy_pair(3, n, V, scale=2, noise=0.7)
     acc = run(base, quant, targets, k=V - 1, chunk=16)  # chunked: rows land in the right places
     r = acc.result()
 
@@ -111,11 +116,7 @@ def test_statistics_equal_numpy_on_random_logits():
 
 def test_sampled_tail_estimates_the_full_vocabulary_kl():
     # A 4096-token vocabulary, exact top 32 + 64 stratified tail samples: the estimate tracks the full KL.
-    rng = np.random.default_rng(7)
-    n, V = 256, 4096
-    base = (rng.standard_normal((n, V)) * 1.5).astype(np.float32)
-    quant = (base + rng.standard_normal((n, V)) * 0.3).astype(np.float32)
-    targets = rng.integers(0, V, n)
+    base, quant, targets = noisy_pair(7, 256, 4096, scale=1.5, noise=0.3)
     p, q = softmax(base), softmax(quant)
     exact = (p * (np.log(p) - np.log(q))).sum(axis=1).mean()
     top_only = run(base, quant, targets, k=32, m=0).result().kld_mean  # the tail as one bucket

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support.helpers import DEFAULT_NAME, assert_one_line_error
+from support.helpers import DEFAULT_NAME, CancelAfter, assert_one_line_error
 
 
 def llama_ppl(llama_bin: Path, model: Path, text: Path, *, ctx: int, chunks: int, batch: int, threads: int) -> float:
@@ -52,7 +52,6 @@ def test_batch_layout_does_not_change_the_result(tiny_f32):
 
 def test_progress_and_cancel(tiny_f32):
     from edgellm.errors import Cancelled
-    from edgellm.progress import CancelToken
     from quant.perplexity import perplexity
 
     events = []
@@ -61,17 +60,10 @@ def test_progress_and_cancel(tiny_f32):
     assert chunk_events[-1].done == chunk_events[-1].total == 6
     assert "PPL" in chunk_events[-1].message
 
-    token = CancelToken()
-    seen = []
-
-    def stop_after_first(p):
-        seen.append(p.done)
-        if p.done >= 2:
-            token.cancel()
-
+    stop = CancelAfter(2)
     with pytest.raises(Cancelled):
-        perplexity(tiny_f32, corpus="python-docs", ctx=128, chunks=8, batch=256, on_progress=stop_after_first, cancel=token)
-    assert max(seen) < 8
+        perplexity(tiny_f32, corpus="python-docs", ctx=128, chunks=8, batch=256, on_progress=stop, cancel=stop.token)
+    assert max(stop.seen) < 8
 
 
 def test_ppl_errors_are_one_line(cli, tiny_f32, tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from support.helpers import DEFAULT_NAME, assert_one_line_error, start_cli, store_snapshot
+from support.helpers import DEFAULT_NAME, CancelAfter, assert_refused, start_cli, store_snapshot
 from support.quant_fixtures import F16_NAME, wait_for_partial
 
 FOUR = ["q4_0", "q4_k_m", "q5_k_m", "q8_0"]
@@ -61,11 +61,7 @@ def test_four_levels_load_generate_and_list_lineage(cli, f16_model, edgellm_home
     assert Store().get("smollm2-135m-instruct-q4_k_m").extra["base_dequantized_from"] == "q4_1"
 
     # text report explains the fallback
-    before = store_snapshot(edgellm_home)
-    res = cli("quantize", F16_NAME, "--level", "q4_k_m")
-    assert_one_line_error(res)
-    assert "already exists" in res.stderr
-    assert store_snapshot(edgellm_home) == before
+    assert_refused(cli, edgellm_home, "quantize", F16_NAME, "--level", "q4_k_m", says="already exists")
     res = cli("quantize", F16_NAME, "--level", "q4_k_m", "--force", "--threads", "2")
     assert res.exit_code == 0, res
     assert "180 of 272 tensors" in res.stdout and "576" in res.stdout and "Q5_0" in res.stdout
@@ -121,23 +117,15 @@ def test_sigterm_cancels_cleanly(f16_model, edgellm_home):
 
 def test_cancel_token_stops_the_worker(f16_model, edgellm_home):
     from edgellm.errors import Cancelled
-    from edgellm.progress import CancelToken
     from quant.quantize import quantize
 
-    token = CancelToken()
-    seen = []
-
-    def on_progress(p):
-        seen.append(p.done)
-        if p.done >= 30:
-            token.cancel()
-
+    stop = CancelAfter(30)
     before = store_snapshot(edgellm_home)
     t0 = time.monotonic()
     with pytest.raises(Cancelled):
-        quantize(F16_NAME, ["q6_k"], threads=1, on_progress=on_progress, cancel=token)
+        quantize(F16_NAME, ["q6_k"], threads=1, on_progress=stop, cancel=stop.token)
     assert time.monotonic() - t0 < 60
-    assert 30 <= max(seen) < 272  # per-tensor progress, stopped mid-way
+    assert 30 <= max(stop.seen) < 272  # per-tensor progress, stopped mid-way
     assert store_snapshot(edgellm_home) == before
 
 
@@ -180,29 +168,17 @@ def test_levels_side_by_side_match_one_at_a_time(f16_model, edgellm_home, tmp_pa
     ],
 )
 def test_bad_levels_refused(cli, f16_model, edgellm_home, args, needle):
-    before = store_snapshot(edgellm_home)
-    res = cli("quantize", F16_NAME, *args)
-    assert_one_line_error(res)
-    assert needle in res.stderr
-    assert store_snapshot(edgellm_home) == before
+    assert_refused(cli, edgellm_home, "quantize", F16_NAME, *args, says=needle)
 
 
 def test_text_file_refused(cli, edgellm_home, tmp_path):
     text = tmp_path / "readme.gguf"
     text.write_text("hello, I am not a model\n" * 100)
-    before = store_snapshot(edgellm_home)
-    res = cli("quantize", str(text), "--level", "q4_0")
-    assert_one_line_error(res)
-    assert "not a GGUF" in res.stderr
-    assert store_snapshot(edgellm_home) == before
+    assert_refused(cli, edgellm_home, "quantize", str(text), "--level", "q4_0", says="not a GGUF")
 
 
 def test_requantize_needs_flag_and_warns(cli, cli_subprocess, default_model, edgellm_home):
-    before = store_snapshot(edgellm_home)
-    res = cli("quantize", DEFAULT_NAME, "--level", "q4_0")
-    assert_one_line_error(res)
-    assert "--allow-requantize" in res.stderr and "compound" in res.stderr
-    assert store_snapshot(edgellm_home) == before
+    assert_refused(cli, edgellm_home, "quantize", DEFAULT_NAME, "--level", "q4_0", says=["--allow-requantize", "compound"])
     res = cli_subprocess("quantize", DEFAULT_NAME, "--level", "q4_0", "--allow-requantize", "--threads", "2", "--json")
     assert res.exit_code == 0, res
     out = res.json()[0]
@@ -228,11 +204,8 @@ def test_read_only_output_folder(cli, f16_model, edgellm_home, tmp_path):
     ro = tmp_path / "ro"
     undo = _read_only_folder(ro)
     try:
-        before = store_snapshot(edgellm_home)
-        res = cli("quantize", F16_NAME, "--level", "q4_0", "-o", str(ro / "out.gguf"))
-        assert_one_line_error(res)
-        assert "cannot write to the output folder" in res.stderr
-        assert store_snapshot(edgellm_home) == before
+        assert_refused(cli, edgellm_home, "quantize", F16_NAME, "--level", "q4_0", "-o", str(ro / "out.gguf"),
+                       says="cannot write to the output folder")
         assert list(ro.iterdir()) == []
     finally:
         undo()
@@ -240,11 +213,7 @@ def test_read_only_output_folder(cli, f16_model, edgellm_home, tmp_path):
 
 def test_full_disk_preflight(cli, f16_model, edgellm_home, monkeypatch):
     monkeypatch.setenv("EDGELLM_FAKE_FREE_BYTES", str(50 << 20))
-    before = store_snapshot(edgellm_home)
-    res = cli("quantize", F16_NAME, "--level", "q4_0", "--level", "q8_0")
-    assert_one_line_error(res)
-    assert "not enough disk" in res.stderr
-    assert store_snapshot(edgellm_home) == before
+    assert_refused(cli, edgellm_home, "quantize", F16_NAME, "--level", "q4_0", "--level", "q8_0", says="not enough disk")
 
 
 def test_real_file_size_limit(f16_model, edgellm_home):

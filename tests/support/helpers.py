@@ -81,6 +81,35 @@ def assert_one_line_error(res: CliResult) -> None:
     assert len([ln for ln in lines if ln.startswith("error: ")]) == 1, res
 
 
+def assert_refused(cli, home: Path, *args, says: str | list[str]) -> CliResult:
+    """`cli(*args)` fails as every refusal must (one `error:` line) with an error
+    that says each of `says`, and leaves the store at `home` as it was."""
+    before = store_snapshot(home)
+    res = cli(*args)
+    assert_one_line_error(res)
+    for needle in [says] if isinstance(says, str) else says:
+        assert needle in res.stderr, (needle, res)
+    assert store_snapshot(home) == before
+    return res
+
+
+class CancelAfter:
+    """An `on_progress` that records each event's `done` and cancels `token` once
+    `done` reaches `n`: a job stopped part-way, at a point the test knows."""
+
+    def __init__(self, n: int) -> None:
+        from edgellm.progress import CancelToken
+
+        self.n = n
+        self.token = CancelToken()
+        self.seen: list[int] = []
+
+    def __call__(self, p) -> None:
+        self.seen.append(p.done)
+        if p.done >= self.n:
+            self.token.cancel()
+
+
 def store_snapshot(home: Path) -> tuple:
     """The index and the files under the store: equal snapshots mean nothing changed."""
     idx = home / "index.json"
