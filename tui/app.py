@@ -74,6 +74,9 @@ class EdgeApp(App):
         self.stable = stable
         self.tokens: set[CancelToken] = set()
         self.notices: list[tuple[str, str]] = []
+        # RPC workers entered on the System screen (HOST:PORT[,...]), for Chat and Bench this session:
+        # the core keeps no list of workers, so neither does the TUI across sessions.
+        self.rpc_workers: str = ""
 
     # -- shared state screens read ---------------------------------------
 
