@@ -1,6 +1,6 @@
 """Chat: a streamed conversation with a local model, its saved sessions
 (resume, delete, export) and its settings (model, threads, ctx, GPU layers,
-sampling, system prompt), with tokens/s and RSS live in a status line.
+device and memory, the RPC workers, sampling, system prompt), with tokens/s and RSS live in a status line.
 
 The conversation itself (template, KV reuse, history files) is
 edgellm.chat.session's; this screen only forwards text and renders the pieces.
@@ -167,7 +167,11 @@ class ChatScreen(BaseScreen):
         acc: list[str] = []
         last = [0.0]
 
+        self._reply = (reply, acc)
+
         def call() -> Optional[GenerationStats]:
+            if options.rpc:
+                self._guard_rpc()
             if self.session is None or self.session_key != key:
                 self.ui(self._status_text, f"loading {s['model']}...")
                 self._close_session()
@@ -177,6 +181,7 @@ class ChatScreen(BaseScreen):
                 )
                 self.session_key = key
                 self._resume_id = None
+                self.ui(self._show_plans, self.session.runtime)
             self.session.sampling = sampling  # sampling changes need no reload
             for piece in self.session.send(text, cancel=token):
                 acc.append(piece)
@@ -191,6 +196,36 @@ class ChatScreen(BaseScreen):
 
         ok, out = self.run_guarded("chat", call, token=token)
         self.ui(self._finished, reply, "".join(acc), out if ok else None, token.cancelled, "" if ok else out)
+
+    def _guard_rpc(self) -> None:
+        """A worker that dies mid-reply: llama.cpp's RPC client would abort the whole process (the
+        CLI's one-line exit). Here the core parks the generating thread instead and tells us, and
+        the screen ends the reply with that line; the app stays up."""
+        from edgellm.engine import rpc_native
+
+        if not getattr(self, "_rpc_guarded", False):
+            rpc_native.install_abort_handler("park")
+            rpc_native.on_worker_lost(lambda msg, _lost: self.ui(self._worker_lost, msg))
+            self._rpc_guarded = True
+
+    def _worker_lost(self, msg: str) -> None:
+        # The session's model has layers on the dead worker: dropped, not closed (freeing it would
+        # talk to that worker again); the next message loads afresh, and the probe says who is gone.
+        self.session, self.session_key = None, None
+        self.notify(msg, title="chat", severity="error", timeout=10)
+        if self.generating and getattr(self, "_reply", None):
+            reply, acc = self._reply
+            self._finished(reply, "".join(acc), None, False, msg)
+
+    def _show_plans(self, runtime: Runtime) -> None:
+        """Where the layers went, in the conversation, after each (re)load: the GPU plan that ran
+        (a fallback to the CPU included) or the split over the RPC workers."""
+        lines = list(runtime.rpc_plan.lines()) if runtime.rpc_plan is not None else []
+        if runtime.gpu_plan is not None:
+            lines.append(runtime.gpu_plan.describe())
+        log_ = self.query_one("#chat-log", VerticalScroll)
+        # before the reply being streamed: the plan came first
+        log_.mount(Static("\n".join(lines), classes="msg-info plan", markup=False), before=len(log_.children) - 1)
 
     def on_reply_grew(self, message: "ReplyGrew") -> None:
         if self.generating:
@@ -334,7 +369,7 @@ class ChatScreen(BaseScreen):
 def open_session(model: str, options: RuntimeOptions, sampling: SamplingParams, *, system: str, resume: Optional[str], warn) -> ChatSession:
     """Load the model and start a conversation, or continue the saved one `resume`."""
     resolved = resolve(model)
-    runtime = Runtime(resolved.path, options)
+    runtime = Runtime(resolved.path, options, warn=warn)
     try:
         if resume:
             return ChatSession.resume(runtime, resume, sampling=sampling, model_name=resolved.label, warn=warn)

@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
-from textual.widgets import Input, Label, Select
+from textual.widgets import Checkbox, Input, Label, Select
 
 from edgellm.engine.runtime import RuntimeOptions, SamplingParams
 from edgellm.errors import UsageError
@@ -23,7 +23,9 @@ _S = SamplingParams()
 FIELDS = [
     ("threads", "Threads", "", "auto (physical cores)"),
     ("ctx", "Context (tokens)", str(RuntimeOptions().n_ctx), ""),
-    ("gpu_layers", "GPU layers", "0", "N, auto or 0"),
+    ("gpu_layers", "GPU layers", "0", "N, all, auto or 0"),
+    ("gpu_device", "GPU device", "", "auto (index or name, see System)"),
+    ("gpu_mem", "GPU memory", "", "no cap (e.g. 512M, 4G)"),
     ("temperature", "Temperature", str(_S.temperature), ""),
     ("top_k", "Top-k", str(_S.top_k), ""),
     ("top_p", "Top-p", str(_S.top_p), ""),
@@ -34,7 +36,7 @@ FIELDS = [
 ]
 LABELS = {key: label for key, label, _, _ in FIELDS}
 # Changing one of these needs the model reloaded; sampling applies at the next turn.
-RELOAD_KEYS = ("model", "threads", "ctx", "gpu_layers", "system")
+RELOAD_KEYS = ("model", "threads", "ctx", "gpu_layers", "gpu_device", "gpu_mem", "rpc", "system")
 
 
 class ChatSettings(VerticalScroll):
@@ -46,6 +48,9 @@ class ChatSettings(VerticalScroll):
             with Horizontal(classes="setting"):
                 yield Label(label)
                 yield Input(default, placeholder=ph, id=f"set-{key}")
+        with Horizontal(classes="setting"):
+            yield Label("RPC workers")
+            yield Checkbox("use the workers set on the System screen", id="set-rpc")
         yield Label("System prompt")
         yield Input("", placeholder="(none)", id="set-system")
 
@@ -54,6 +59,9 @@ class ChatSettings(VerticalScroll):
         model = self.query_one("#set-model", Select).value
         v["model"] = model if isinstance(model, str) else ""
         v["system"] = self.query_one("#set-system", Input).value.strip()
+        # the workers as configured now: a changed list is a reload too
+        v["rpc"] = self.app.rpc_workers if self.query_one("#set-rpc", Checkbox).value else ""
+        v["use_rpc"] = "yes" if self.query_one("#set-rpc", Checkbox).value else ""
         return v
 
     def set_models(self, names: list[str], default: str = "") -> None:
@@ -65,9 +73,11 @@ class ChatSettings(VerticalScroll):
 
     def runtime_options(self) -> RuntimeOptions:
         v = self.values()
-        gl = v["gpu_layers"] or "0"
-        layers: Union[int, str] = gl if gl == "auto" else _int(gl, "gpu_layers", lo=0)
-        return RuntimeOptions(n_ctx=_int(v["ctx"], "ctx", lo=16), n_threads=_opt_int(v["threads"], "threads", lo=1), n_gpu_layers=layers)
+        if v["use_rpc"] and not v["rpc"]:
+            raise UsageError("RPC workers: none configured; enter HOST:PORT on the System screen (F6) first")
+        return RuntimeOptions(n_ctx=_int(v["ctx"], "ctx", lo=16), n_threads=_opt_int(v["threads"], "threads", lo=1),
+                              n_gpu_layers=gpu_layers(v["gpu_layers"]), gpu_device=v["gpu_device"] or None,
+                              gpu_mem=gpu_mem(v["gpu_mem"]), rpc=v["rpc"] or None)
 
     def sampling(self) -> SamplingParams:
         v = self.values()
@@ -77,6 +87,29 @@ class ChatSettings(VerticalScroll):
             repeat_penalty=_float(v["repeat_penalty"], "repeat_penalty"),
             max_tokens=_int(v["max_tokens"], "max_tokens", lo=1), seed=_opt_int(v["seed"], "seed"),
         )
+
+
+def gpu_layers(text: str, label: str = LABELS["gpu_layers"]) -> Union[int, str]:
+    """N, all, auto or 0 (what --gpu-layers takes); empty is 0."""
+    t = (text or "0").strip().lower()
+    if t in ("all", "auto"):
+        return t
+    try:
+        n = int(t)
+    except ValueError:
+        raise UsageError(f"{label}: a number, all, auto or 0, not {text!r}") from None
+    if n < 0:
+        raise UsageError(f"{label}: at least 0 (or all), not {n}")
+    return n
+
+
+def gpu_mem(text: str) -> Optional[int]:
+    from edgellm.engine.gpu import parse_size
+
+    try:
+        return parse_size(text)
+    except UsageError:
+        raise UsageError(f"{LABELS['gpu_mem']}: a size like 512M or 4G, not {text!r}") from None
 
 
 def _int(text: str, key: str, *, lo: Optional[int] = None) -> int:
