@@ -566,3 +566,22 @@ def test_mixed_valid_and_bad_requests_keep_answers_and_memory(batching):
     assert _mixed_round(url, 48, reference) == []
     rss1 = psutil.Process(proc.pid).memory_info().rss
     assert abs(rss1 - rss0) / rss0 <= 0.05, (rss0, rss1)
+
+
+def test_each_sequence_in_a_batch_keeps_its_own_schema_and_stop_strings(batching):
+    """Per-sequence sampler chains: a JSON schema, llama.cpp's JSON grammar and a stop string decoded in one batch."""
+    _, url = batching
+    c = _par_client(url)
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 20}}, "required": ["colour"],
+              "additionalProperties": False}
+    r_schema, r_json, r_stop = _concurrently([
+        lambda: _ask(c, "Name a colour as JSON.", max_tokens=40,
+                     response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}),
+        lambda: _ask(c, "Say hi as JSON.", max_tokens=12, response_format={"type": "json_object"}),
+        lambda: _ask(c, "Write two sentences about the sea.", max_tokens=60, stop=["."]),
+    ])
+    assert r_schema.choices[0].finish_reason == "stop", r_schema
+    jsonschema.validate(json.loads(r_schema.choices[0].message.content), schema)
+    assert r_json.choices[0].message.content.lstrip().startswith(("{", "["))
+    text = r_stop.choices[0].message.content
+    assert "." not in text and text.strip() and r_stop.choices[0].finish_reason == "stop", r_stop
