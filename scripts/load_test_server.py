@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -40,6 +38,8 @@ PROMPTS = ["Tell me about the sea.", "Describe a city at night.", "Explain how r
            "Describe your favourite meal.", "Explain what a computer does.", "Tell me a story about a cat.",
            "Describe the moon.", "Explain why we sleep.", "Write about a mountain."]
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from support.serve_proc import start_serve, stop_process  # noqa: E402  (the serve tests' own start and stop)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -58,17 +58,14 @@ def _free_port() -> int:
 
 
 def start_edgellm(model: str, threads: int | None, queue: int, parallel: int | None, ctx: int | None) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "edgellm.cli", "serve", model, "--host", "127.0.0.1", "--port", "0", "--queue", str(queue)]
+    args = [model, "--host", "127.0.0.1", "--queue", str(queue)]
     for flag, v in (("--threads", threads), ("--parallel", parallel), ("--ctx", ctx)):
         if v:
-            cmd += [flag, str(v)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    line = proc.stdout.readline()
-    m = re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", line)
-    if not m:
-        proc.kill()
-        sys.exit(f"error: the server did not start: {line.strip()} {proc.stderr.read().strip()}")
-    return proc, m.group(1)
+            args += [flag, str(v)]
+    try:
+        return start_serve(*args, cwd=ROOT)
+    except RuntimeError as e:
+        sys.exit(f"error: {e}")
 
 
 def start_llama_server(path: Path, threads: int | None, parallel: int, ctx: int) -> tuple[subprocess.Popen, str]:
@@ -95,17 +92,6 @@ def start_llama_server(path: Path, threads: int | None, parallel: int, ctx: int)
         time.sleep(0.2)
     proc.kill()
     sys.exit("error: llama-server did not come up in 120 s")
-
-
-def stop(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def run_load(url: str, model: str, clients: int, requests: int, max_tokens: int, deadline_s: float) -> dict:
@@ -184,7 +170,7 @@ def compare(args) -> int:
                 model = "" if name.startswith("edgellm") else "default"
                 r = run_load(url, model, args.clients, args.requests, args.max_tokens, args.deadline)
             finally:
-                stop(proc)
+                stop_process(proc)
             runs[name].append(r)
             print(f"round {rnd + 1} {name}: {r['answered']}/{r['sent']} answered, {r['tokens_per_second']} tok/s, "
                   f"p50 {r['latency_p50_s']} s, p95 {r['latency_p95_s']} s, ttft p50 {r['ttft_p50_s']} s "
@@ -229,7 +215,7 @@ def mixed(args) -> int:
         problems += _mixed_round(url, args.mixed, reference)
         rss1 = psutil.Process(proc.pid).memory_info().rss
     finally:
-        stop(proc)
+        stop_process(proc)
     drift = (rss1 - rss0) / rss0
     print(f"{args.mixed} mixed requests: {len(problems)} wrong answers; RSS {rss0 / 2**20:.1f} MiB after the warm-up, "
           f"{rss1 / 2**20:.1f} MiB after the run ({drift * 100:+.2f}%)")
@@ -271,7 +257,7 @@ def main() -> int:
     try:
         r = run_load(url, "", args.clients, args.requests, args.max_tokens, args.deadline)
     finally:
-        stop(proc)
+        stop_process(proc)
     if args.json:
         print(json.dumps(r, indent=2))
     else:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -25,6 +23,7 @@ import openai
 import pytest
 
 from support.helpers import DEFAULT_NAME, assert_one_line_error
+from support.serve_proc import start_serve, stop_process
 
 KEY = "test-key-123"
 SECOND = "smollm2-copy"  # the same file under a second store name, to exercise LRU eviction
@@ -44,25 +43,7 @@ def _register(home: Path, gguf: Path, *names: str) -> None:
 
 
 def _start(home: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    env = dict(os.environ, EDGELLM_HOME=str(home))
-    proc = subprocess.Popen([sys.executable, "-m", "edgellm.cli", "serve", "--port", "0", *args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    m = re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", line)
-    if not m:
-        proc.kill()
-        pytest.fail(f"server did not start: {line!r} {proc.stderr.read()}")
-    return proc, m.group(1)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return start_serve(*args, env=dict(os.environ, EDGELLM_HOME=str(home)))
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +53,7 @@ def server(tmp_path_factory, default_gguf):
     proc, url = _start(home, DEFAULT_NAME, "--api-key", KEY, "--queue", "1", "--ctx", str(CTX), "--max-loaded", "1", "--threads", "1",
                        "--parallel", "1")
     yield url
-    _stop(proc)
+    stop_process(proc, timeout=20)
     err = proc.stderr.read()
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "graceful shutdown exceeded" not in err, err
@@ -346,7 +327,7 @@ def test_sigterm_cancels_in_flight_stream_and_exits_cleanly(tmp_path, default_gg
                 pass
         rc = proc.wait(20)
     finally:
-        _stop(proc)
+        stop_process(proc, timeout=20)
     err = proc.stderr.read()
     assert rc == 0, err
     assert "Traceback" not in err and "stopped" in err, err
@@ -390,7 +371,7 @@ def batching(tmp_path_factory, default_gguf):
     _register(home, default_gguf, DEFAULT_NAME)
     proc, url = _start(home, DEFAULT_NAME, "--parallel", str(PAR), "--ctx", str(PAR_CTX), "--threads", "1", "--queue", "64")
     yield proc, url
-    _stop(proc)
+    stop_process(proc, timeout=20)
     err = proc.stderr.read()
     assert proc.returncode == 0, err
     assert f"{PAR} parallel slots" in err and f"up to {PAR_CTX // PAR} tokens per request" in err, err
