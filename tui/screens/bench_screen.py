@@ -1,6 +1,8 @@
 """Bench: run the profiler (edgellm.profile.bench.bench) on a model; pp/tg tokens/s,
 the memory split (file-backed weights vs anonymous KV/compute), and a
-sparkline of tokens/s over the run."""
+sparkline of tokens/s over the run. The GPU-layers setting and the RPC
+workers (configured on the System screen) are the CLI's --gpu-layers and
+--rpc: each row shows the layers offloaded and the device/host bytes."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
-from textual.widgets import Button, DataTable, Input, Label, Select, Sparkline, Static
+from textual.widgets import Button, Checkbox, DataTable, Input, Label, Select, Sparkline, Static
 
 from edgellm.fsutil import human_size
+from edgellm.errors import UsageError
 from edgellm.profile.bench import bench
 from edgellm.profile.results import load_bench_results
 
+from tui.widgets.chat_settings import gpu_layers
 from tui.widgets.fields import set_choices, steady_cursors
 from tui.widgets.jobbar import JobBar
 from tui.widgets.tables import fill
@@ -42,6 +46,9 @@ class BenchScreen(BaseScreen):
     BINDINGS = [Binding("g", "run", "Run bench"), CANCEL, REFRESH]
     CANCELLING = "cancelling the benchmark..."
     BUTTONS = {"bench-go": "run"}
+    DEFAULT_CSS = """
+    #bench-form2 Checkbox { width: auto; border: none; padding: 1 1 0 1; height: 3; }
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,6 +64,10 @@ class BenchScreen(BaseScreen):
                 yield Label(label)
                 yield Input(default, id=id_, type="integer", tooltip=tip, classes="num")
             yield Button("Run (g)", id="bench-go", variant="primary")
+        with Horizontal(id="bench-form2", classes="form-row"):
+            yield Label("GPU layers")
+            yield Input("0", id="bench-gpu-layers", tooltip="layers to offload: N, all, auto (what fits) or 0", classes="num")
+            yield Checkbox("split over the RPC workers set on the System screen", id="bench-rpc")
         yield JobBar(id="bench-job", idle="no benchmark running")
         with Horizontal(id="bench-body"):
             yield DataTable(id="bench-results", cursor_type="row")
@@ -67,7 +78,7 @@ class BenchScreen(BaseScreen):
 
     def on_mount(self) -> None:
         steady_cursors(self)
-        self.query_one("#bench-results", DataTable).add_columns("Model", "Test", "tok/s", "±", "TTFT s", "Load s")
+        self.query_one("#bench-results", DataTable).add_columns("Model", "Test", "tok/s", "±", "TTFT s", "Load s", "GPU layers", "Device", "Host")
         self.action_refresh()
 
     def reload(self) -> None:
@@ -86,20 +97,33 @@ class BenchScreen(BaseScreen):
             return
         try:
             pp, tg, reps = (_int_field(self.query_one(f"#{id_}", Input).value, label) for id_, label, _, _ in FIELDS)
-        except ValueError as e:
+            layers = gpu_layers(self.query_one("#bench-gpu-layers", Input).value, "GPU layers")
+            rpc = self.app.rpc_workers if self.query_one("#bench-rpc", Checkbox).value else ""
+            if self.query_one("#bench-rpc", Checkbox).value and not rpc:
+                raise UsageError("RPC workers: none configured; enter HOST:PORT on the System screen (F6) first")
+        except (ValueError, UsageError) as e:
             self.notify(str(e), severity="warning")
             return
         self.samples = []
         self.query_one(Sparkline).data = []
-        self._bench(model, pp, tg, reps, self.start_job(f"bench {model}"))
+        self._bench(model, pp, tg, reps, layers, rpc, self.start_job(f"bench {model}" + (" over RPC" if rpc else "")))
 
     @work(thread=True, group="bench", exclusive=True)
-    def _bench(self, model: str, pp: int, tg: int, reps: int, token) -> None:
-        ok, out = self.run_guarded(
-            f"bench {model}", bench, [model], pp=pp, tg=tg, repetitions=reps,
-            on_progress=self.progress_to(self.job_progress, min_interval=0.1), cancel=token, token=token,
-        )
-        self.ui(self._done, [r.to_json() for r in out] if ok else None, "" if ok else out, token.cancelled)
+    def _bench(self, model: str, pp: int, tg: int, reps: int, layers, rpc: str, token) -> None:
+        progress = self.progress_to(self.job_progress, min_interval=0.1)
+        warn = lambda m: self.ui(self.notify, m, severity="warning")  # noqa: E731  (the plan and its notes)
+        if rpc:  # as `bench --rpc`: each test here and split over the workers (GPU layers do not apply)
+            from edgellm.profile.bench_rpc import bench_rpc
+
+            ok, out = self.run_guarded(f"bench {model}", bench_rpc, model, rpc, pp=pp, tg=tg, repetitions=reps,
+                                       on_plan=lambda p: warn("\n".join(p.lines())), on_progress=progress,
+                                       cancel=token, token=token)
+            rows = rpc_rows(*out) if ok else None
+        else:
+            ok, out = self.run_guarded(f"bench {model}", bench, [model], pp=pp, tg=tg, repetitions=reps,
+                                       n_gpu_layers=layers, warn=warn, on_progress=progress, cancel=token, token=token)
+            rows = [r.to_json() for r in out] if ok else None
+        self.ui(self._done, rows, "" if ok else out, token.cancelled)
 
     def _done(self, rows: Optional[list[dict]], reason: str, cancelled: bool) -> None:
         self.end_job("benchmark", rows is not None, reason, cancelled)
@@ -113,7 +137,8 @@ class BenchScreen(BaseScreen):
         t = self.query_one("#bench-results", DataTable)
         fill(t, [
             ((str(d["model"]).rsplit("/", 1)[-1][:28], d["test"], _f(d["avg_ts"], 1), _f(d["stddev_ts"], 1), _f(d["ttft_seconds"], 3),
-              _f(d["load_seconds"], 2)), None)
+              _f(d["load_seconds"], 2), str(d.get("n_gpu_layers", 0)), _bytes(d.get("device_bytes")),
+              _bytes(d.get("host_bytes"))), None)
             for d in self.rows
         ])
         self.show_row(t.cursor_row)
@@ -137,6 +162,25 @@ class BenchScreen(BaseScreen):
         self.query_one(Sparkline).data = self.samples
 
 
+def rpc_rows(plan, rows) -> list[dict]:
+    """`bench_rpc`'s rows in the shape the table shows (a BenchRow's JSON): the split's speed,
+    the layers on the workers, and the plan's bytes there and here."""
+    remote = sum(dev.total_bytes for dev in plan.devices[1:])
+    out = []
+    for r in rows:
+        out.append({"model": r.model, "test": r.test, "avg_ts": r.rpc_ts, "stddev_ts": r.rpc_stddev_ts, "ttft_seconds": None,
+                    "load_seconds": None, "n_gpu_layers": plan.n_gpu_layers, "device_bytes": remote,
+                    "host_bytes": plan.devices[0].total_bytes, "rss_bytes": None, "file_backed_bytes": None,
+                    "anon_bytes": None, "kv_bytes": None, "timestamp": "rpc", "samples_ts": [],
+                    "rpc": {"local_ts": r.local_ts, "network_share": r.network_share,
+                            "workers": ", ".join(str(w.endpoint) for w in plan.workers)}})
+    return out
+
+
+def _bytes(v: Any) -> str:
+    return human_size(v) if v else "-"
+
+
 def memory_split(d: dict) -> Table:
     name = str(d["model"]).rsplit("/", 1)[-1]
     t = Table(title=f"Memory: {name} {d['test']}", show_header=False, box=None, expand=True)
@@ -150,6 +194,12 @@ def memory_split(d: dict) -> Table:
             continue
         bar = "█" * int(12 * v / rss) if rss else ""
         t.add_row(label, human_size(v), bar)
+    if d.get("n_gpu_layers"):
+        where = "workers" if d.get("rpc") else (d.get("gpu_device") or "device")
+        t.add_row(f"on {where}", human_size(d.get("device_bytes") or 0), f"{d['n_gpu_layers']} layers")
+        t.add_row("on this host", human_size(d.get("host_bytes") or 0), "")
+    if d.get("rpc"):
+        t.add_row("local only", f"{d['rpc']['local_ts']:.1f} t/s", f"network {100 * d['rpc']['network_share']:.0f}%")
     return t
 
 

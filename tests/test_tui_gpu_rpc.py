@@ -1,0 +1,152 @@
+"""The TUI's GPU and RPC settings (issues 17 and 19), driven with Textual's pilot on the real app:
+the System screen's device list and a real `edgellm worker` probed on a loopback port (and a
+closed port's reason), then Chat and Bench with GPU layers 0 and the model split onto that worker.
+
+One worker for the module, at 1 thread: on a 2-core machine more would measure the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from support.helpers import DEFAULT_NAME
+from support.tui_pilot import SIZE, errors_in, make, pinned_ram, screen_text, settled, squeeze, type_text, wait_for  # noqa: F401
+from test_rpc import Worker, free_port
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = Worker("--mem", "1G")
+    yield w
+    rc, err = w.stop()
+    assert rc == 0 and "edgellm worker: stopped" in err, (rc, err)
+
+
+async def _configure(pilot, app, workers: str) -> None:
+    """Enter the workers on the System screen as a user would, and wait for the probe."""
+    from textual.widgets import Input
+
+    if type(app.screen).__name__ != "SystemScreen":
+        await pilot.press("f6")
+        await settled(pilot)
+    box = app.screen.query_one("#rpc-workers", Input)
+    box.focus()
+    box.value = ""
+    await type_text(pilot, workers)
+    await pilot.press("enter")
+    await settled(pilot)
+
+
+def test_system_screen_lists_devices_and_probes_workers(worker):
+    from textual.widgets import DataTable, Static
+
+    from edgellm.engine.gpu import device_lines, gpu_backends
+    from edgellm.engine.rpc import local_version
+
+    closed = free_port()
+
+    async def run():
+        app = make(initial="system")
+        async with app.run_test(size=SIZE) as pilot:
+            scr = app.screen
+            await pilot.press("d")
+            await settled(pilot)
+            devices = str(scr.query_one("#gpu-devices", Static).render())
+            await _configure(pilot, app, f"{worker.address},127.0.0.1:{closed}")
+            table = scr.query_one("#rpc-table", DataTable)
+            rows = {key.value: table.get_row(key) for key in table.rows}
+            configured = app.rpc_workers
+            shown = screen_text(app)
+            # a malformed address: its one line, and the configured list stays as it was
+            await _configure(pilot, app, "nohost")
+            return devices, rows, configured, shown, app.rpc_workers, app.notices
+
+    devices, rows, configured, shown, after_bad, notices = asyncio.run(run())
+    assert devices.splitlines() == device_lines()
+    if not gpu_backends():  # this machine's CPU wheel
+        assert devices.startswith("no GPU device: this llama.cpp build has no GPU backend (CPU-only")
+    assert configured == f"{worker.address},127.0.0.1:{closed}"
+    state, version, memory = rows[worker.address][1:]
+    assert (state, version) == ("reachable", ".".join(map(str, local_version())))
+    assert memory.startswith("1.1 GB of ")  # --mem 1G, as the worker offers it
+    assert rows[f"127.0.0.1:{closed}"][1].startswith("connection refused (is `edgellm worker --port")
+    assert "reachable" in shown and "connection refused" in shown
+    assert after_bad == configured
+    assert any("'nohost' is not HOST:PORT" in m for m in errors_in(notices)), notices
+
+
+def test_chat_with_gpu_layers_0_over_a_worker_replies_and_shows_the_plan(worker, default_model):
+    from textual.widgets import Checkbox, Input
+
+    async def run():
+        app = make(initial="system")
+        async with app.run_test(size=SIZE) as pilot:
+            await _configure(pilot, app, worker.address)
+            await pilot.press("f4")
+            await settled(pilot)
+            scr = app.screen
+            values = {"gpu_layers": "lots", "threads": "1", "ctx": "512", "max_tokens": "8", "temperature": "0"}
+            for key, v in values.items():
+                scr.query_one(f"#set-{key}", Input).value = v
+            scr.query_one("#set-rpc", Checkbox).value = True
+            scr.query_one("#chat-input", Input).focus()
+            await type_text(pilot, "Hi")
+            await pilot.press("enter")  # refused: the GPU-layers field does not parse
+            await pilot.pause(0.2)
+            refused = [m for _s, m in app.notices if "GPU layers" in m]
+            scr.query_one("#set-gpu_layers", Input).value = "0"
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: scr.generating, 10, "generation to start")
+            await wait_for(pilot, lambda: not scr.generating, 300, "the reply")
+            await pilot.pause(0.2)
+            plan = "\n".join(str(w.render()) for w in scr.query(".plan"))
+            return refused, scr.last_reply, scr.last_stats, plan, scr.session.runtime.rpc_plan, app.notices
+
+    refused, reply, stats, plan, rpc_plan, notices = asyncio.run(run())
+    assert refused and "GPU layers: a number, all, auto or 0, not 'lots'" in refused[0], refused
+    assert not errors_in(notices), notices
+    assert reply.strip() and stats.generated_tokens > 0
+    # the split ran on the worker: layers there, and the plan said so in the conversation
+    assert rpc_plan is not None and [str(w.endpoint) for w in rpc_plan.workers] == [worker.address]
+    assert rpc_plan.devices[1].n_layers > 0
+    assert "plan: 30 layers + output over 2 devices" in plan and worker.address in plan and "RPC0" in plan
+
+
+def test_bench_with_gpu_layers_and_over_a_worker(worker, default_model):
+    from textual.widgets import Checkbox, DataTable, Input
+
+    from edgellm.fsutil import human_size
+
+    async def run():
+        app = make(initial="system")
+        async with app.run_test(size=SIZE) as pilot:
+            await _configure(pilot, app, worker.address)
+            await pilot.press("f5")
+            await settled(pilot)
+            scr = app.screen
+            for id_, v in (("#bench-pp", "16"), ("#bench-tg", "4"), ("#bench-reps", "1"), ("#bench-gpu-layers", "0")):
+                scr.query_one(id_, Input).value = v
+            out = []
+            for use_rpc in (False, True):
+                scr.query_one("#bench-rpc", Checkbox).value = use_rpc
+                await pilot.press("g")
+                await wait_for(pilot, lambda: scr.token is None, 300, "the benchmark")
+                await pilot.pause(0.2)
+                table = scr.query_one("#bench-results", DataTable)
+                out.append((list(scr.rows), [list(map(str, table.get_row_at(i))) for i in range(table.row_count)],
+                            squeeze(screen_text(app, scr.query_one("#bench-mem")))))
+            return out, app.notices
+
+    (local, split), notices = asyncio.run(run())
+    assert not errors_in(notices), notices
+    rows, cells, _mem = local
+    assert [r["test"] for r in rows] == ["pp16", "tg4"] and all(r["n_gpu_layers"] == 0 for r in rows)
+    # no layers off the host: no device bytes, and what llama.cpp allocated here
+    assert [c[6:] for c in cells] == [["0", "-", human_size(r["host_bytes"])] for r in rows]
+    assert all(r["host_bytes"] > 0 for r in rows)
+    rows, cells, mem = split
+    assert [r["test"] for r in rows] == ["pp16", "tg4"]
+    assert all(r["n_gpu_layers"] > 0 and r["device_bytes"] > 0 and r["host_bytes"] > 0 for r in rows)
+    assert cells[0][6] == str(rows[0]["n_gpu_layers"]) and cells[0][1] == "pp16"
+    assert "onworkers" in mem and "network" in mem and DEFAULT_NAME[:10] in mem
