@@ -208,18 +208,10 @@ def _parse(path: Path, size: int, *, raw: bool = False) -> _Parsed:
                 raise GGUFError(f"{path.name}: truncated or corrupt GGUF ({what} runs past the end of the file at byte {pos})")
 
         def u32() -> int:
-            nonlocal pos
-            need(4, "a 32-bit value")
-            v = struct.unpack_from("<I", mm, pos)[0]
-            pos += 4
-            return v
+            return unpack("<I", "a 32-bit value")
 
         def u64() -> int:
-            nonlocal pos
-            need(8, "a 64-bit value")
-            v = struct.unpack_from("<Q", mm, pos)[0]
-            pos += 8
-            return v
+            return unpack("<Q", "a 64-bit value")
 
         def raw_string(what: str) -> bytes:
             nonlocal pos
@@ -234,14 +226,16 @@ def _parse(path: Path, size: int, *, raw: bool = False) -> _Parsed:
         def string(what: str) -> str:
             return raw_string(what).decode("utf-8", "replace")
 
-        def scalar(t: int, what: str):
+        def unpack(fmt: str, what: str):
             nonlocal pos
-            fmt = _SCALAR[t]
             n = struct.calcsize(fmt)
             need(n, what)
             v = struct.unpack_from(fmt, mm, pos)[0]
             pos += n
             return v
+
+        def scalar(t: int, what: str):
+            return unpack(_SCALAR[t], what)
 
         pos = 4
         out.version = u32()

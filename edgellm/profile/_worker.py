@@ -328,28 +328,25 @@ def run(req: dict[str, Any]) -> int:
         mem = llama_cpp.llama_get_memory(ctx)
         n_batch = llama_cpp.llama_n_batch(ctx)
 
-        def run_prompt(batches) -> bool:
+        def run(batches, *, prompt: bool) -> bool:
+            # llama-bench's test_prompt syncs once at the end, its test_gen after every token
             for _arr, b in batches:
                 if decode(ctx, b) != 0:
                     return False
-            sync(ctx)
-            return True
-
-        def run_gen(batches) -> bool:
-            for _arr, b in batches:
-                if decode(ctx, b) != 0:
-                    return False
+                if not prompt:
+                    sync(ctx)
+            if prompt:
                 sync(ctx)
             return True
 
         # warm-up, as llama-bench: the whole prompt, or one generated token
-        ok = run_prompt(prompt_batches(n_prompt, n_batch)) if n_prompt else run_gen(gen_batches(1))
+        ok = run(prompt_batches(n_prompt, n_batch), prompt=True) if n_prompt else run(gen_batches(1), prompt=False)
         samples: list[int] = []
         for rep in range(reps):
             batches = prompt_batches(n_prompt, n_batch) if n_prompt else gen_batches(n_gen)
             llama_cpp.llama_memory_clear(mem, False)
             start = time.perf_counter_ns()
-            ok = ok and (run_prompt(batches) if n_prompt else run_gen(batches))
+            ok = ok and run(batches, prompt=bool(n_prompt))
             samples.append(time.perf_counter_ns() - start)
             if not ok:
                 break
@@ -359,7 +356,7 @@ def run(req: dict[str, Any]) -> int:
             batches = prompt_batches(n_prompt, n_batch)
             llama_cpp.llama_memory_clear(mem, False)
             start = time.perf_counter_ns()
-            ok = run_prompt(batches)
+            ok = run(batches, prompt=True)
             logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
             int(np.argmax(logits))
             ttft = (time.perf_counter_ns() - start) / 1e9
