@@ -46,8 +46,12 @@ class BenchScreen(BaseScreen):
     BINDINGS = [Binding("g", "run", "Run bench"), CANCEL, REFRESH]
     CANCELLING = "cancelling the benchmark..."
     BUTTONS = {"bench-go": "run"}
+    # one line for the offload options, so the results keep their rows on a 30-line terminal
     DEFAULT_CSS = """
-    #bench-form2 Checkbox { width: auto; border: none; padding: 1 1 0 1; height: 3; }
+    #bench-form2 { height: 1; margin: 0 0 1 0; }
+    #bench-form2 Label { width: auto; padding: 0 1; text-style: bold; }
+    #bench-form2 Input { width: 8; height: 1; border: none; padding: 0 1; }
+    #bench-form2 Checkbox { width: auto; height: 1; border: none; padding: 0 1; margin: 0 0 0 2; }
     """
 
     def __init__(self) -> None:
@@ -64,10 +68,10 @@ class BenchScreen(BaseScreen):
                 yield Label(label)
                 yield Input(default, id=id_, type="integer", tooltip=tip, classes="num")
             yield Button("Run (g)", id="bench-go", variant="primary")
-        with Horizontal(id="bench-form2", classes="form-row"):
+        with Horizontal(id="bench-form2"):
             yield Label("GPU layers")
             yield Input("0", id="bench-gpu-layers", tooltip="layers to offload: N, all, auto (what fits) or 0", classes="num")
-            yield Checkbox("split over the RPC workers set on the System screen", id="bench-rpc")
+            yield Checkbox("split over the RPC workers (set on the System screen)", id="bench-rpc")
         yield JobBar(id="bench-job", idle="no benchmark running")
         with Horizontal(id="bench-body"):
             yield DataTable(id="bench-results", cursor_type="row")
