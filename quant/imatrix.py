@@ -147,7 +147,7 @@ def compute_imatrix(
         cancel.check()
 
     t0 = time.perf_counter()
-    runner = _Runner(resolved.path, ctx=ctx, batch=batch, threads=threads)
+    runner = _Runner(resolved.path, ctx=ctx, batch=batch, threads=threads, cancel=cancel)
     try:
         tokens = runner.tokenize(txt.data)
         try:
@@ -177,7 +177,8 @@ def compute_imatrix(
 class _Runner:
     """The model, a context whose cb_eval is a Collector, and llama-imatrix's chunk loop."""
 
-    def __init__(self, path: Path, *, ctx: int, batch: int, threads: Optional[int]) -> None:
+    def __init__(self, path: Path, *, ctx: int, batch: int, threads: Optional[int],
+                 cancel: Optional[CancelToken] = None) -> None:
         from edgellm.engine.runtime import default_threads, silence_native_stderr
         from edgellm.gguf.reader import check_tensor_data, read_gguf
         from quant.perplexity import DEFAULT_UBATCH, _Batch, _quiet_llama
@@ -210,6 +211,11 @@ class _Runner:
         cp.no_perf = True
         cp.cb_eval = self.collector.callback
         cp.cb_eval_user_data = None
+        # a decode of 4 chunks can take a minute on a busy 2-core machine: Ctrl-C stops it between graph nodes
+        self.cancel = cancel
+        self._abort = ll.ggml_abort_callback(lambda _data: bool(cancel is not None and cancel.cancelled))
+        cp.abort_callback = self._abort
+        cp.abort_callback_data = None
         with silence_native_stderr():
             self.ctx = ll.llama_init_from_model(self.model, cp)
         if not self.ctx:
@@ -244,6 +250,8 @@ class _Runner:
                 rc = ll.llama_decode(self.ctx, b.struct)
                 if self.collector.error is not None:
                     raise self.collector.error
+                if self.cancel is not None:
+                    self.cancel.check()
                 if rc != 0:
                     raise RuntimeFailure(f"llama.cpp failed to decode chunk {i + 1} of {self.path.name} (code {rc})")
             done = i + n_seq_batch

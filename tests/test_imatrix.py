@@ -245,6 +245,24 @@ def test_kill_9_during_imatrix_leaves_nothing_and_rerun_works(cli, f16_model, ed
     assert sorted(p.name for p in folder.iterdir()) == [f"{F16_NAME}-imatrix.gguf", f"{F16_NAME}-imatrix.json"]
 
 
+def test_ctrl_c_during_imatrix_cancels_cleanly(f16_model, edgellm_home):
+    proc = start_cli("imatrix", F16_NAME, "--chunks", "8", "--threads", "2")
+    deadline = time.monotonic() + 120
+    seen = ""
+    while time.monotonic() < deadline and "chunk" not in seen:
+        chunk = proc.stderr.read(16)  # type: ignore[union-attr]
+        if not chunk and proc.poll() is not None:
+            break
+        seen += chunk
+    assert "chunk" in seen, seen
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "error: cancelled" in err.splitlines()[-1]
+    folder = edgellm_home / "imatrix"
+    assert not folder.exists() or list(folder.iterdir()) == []
+
+
 # -- the calibration text ---------------------------------------------------------
 
 
@@ -266,6 +284,28 @@ def test_calibration_text_is_stated_and_disjoint_from_wikitext(wikitext):
 
 
 # -- --budget and --recipe -------------------------------------------------------------
+
+
+def test_budget_sizes_parse():
+    from types import SimpleNamespace
+
+    from edgellm.errors import UsageError
+    from quant.budget import parse_budget
+
+    info = SimpleNamespace(parameters=134_515_008, embedding_length=576, head_count=9, head_count_kv=3, block_count=30,
+                           context_length=8192)
+    assert parse_budget("100MB", info).bytes == 100_000_000
+    assert parse_budget("95.5 MiB", info).bytes == int(95.5 * 2**20)
+    assert parse_budget("88201792", info).bytes == 88_201_792
+    assert parse_budget("4.5bpw", info).bytes == int(4.5 * 134_515_008 / 8)
+    ram = parse_budget("ram", info)
+    import psutil
+
+    kv = 2 * 30 * (576 // 9 * 3) * 2 * 4096  # f16 K and V, 4096 tokens
+    assert ram.bytes == psutil.virtual_memory().available - kv - (512 << 20) or abs(
+        ram.bytes - (psutil.virtual_memory().available - kv - (512 << 20))) < 64 << 20
+    with pytest.raises(UsageError):
+        parse_budget("100 parsecs", info)
 
 
 def test_budget_below_smallest_file_names_the_minimum(cli, f16_model, session_imatrix, edgellm_home):
