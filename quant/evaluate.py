@@ -414,26 +414,45 @@ def load_eval_results() -> list[EvalReport]:
 # -- plot ---------------------------------------------------------------------
 
 
+def _is_edgellm_recipe(name: str) -> bool:
+    """A file made with an importance matrix or a per-tensor recipe (quant/imatrix.py, quant/budget.py names)."""
+    return name.endswith("-imat") or "-budget-" in name or "-recipe-" in name
+
+
 def write_plot(report: EvalReport, path: Path | str) -> Path:
     """PNG: file size vs mean KLD (left) and vs ΔPPL % (right), one point per level."""
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise UsageError(f"--plot writes a PNG; give a path ending in .png, not {path.name}")
     plt = pyplot()
-    lv = sorted(report.levels, key=lambda x: x.size_bytes)
-    mb = [x.size_bytes / 1e6 for x in lv]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
-    for ax, vals, err, ylabel in (
-        (axes[0], [x.kld_mean for x in lv], [x.kld_err for x in lv], "mean KLD vs base (nats)"),
-        # llama.cpp's ± of PPL(Q)/PPL(base): it accounts for the two runs' correlation.
-        (axes[1], [x.dppl_pct for x in lv], [100 * float(x.kld.get("ppl_ratio_err", 0.0)) for x in lv], "ΔPPL vs base (%)"),
-    ):
-        ax.errorbar(mb, vals, yerr=err, fmt="o-", capsize=3)
-        for x, y, t in zip(mb, vals, lv):
-            ax.annotate(t.level, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    # two series on one size axis: llama.cpp's stock levels, and edgellm's imatrix/--budget/--recipe files
+    series = [("llama.cpp levels", "o-", [x for x in report.levels if not _is_edgellm_recipe(x.name)]),
+              ("edgellm imatrix / --budget", "s--", [x for x in report.levels if _is_edgellm_recipe(x.name)])]
+    for label, fmt, group in series:
+        lv = sorted(group, key=lambda x: x.size_bytes)
+        if not lv:
+            continue
+        mb = [x.size_bytes / 1e6 for x in lv]
+        for ax, vals, err in (
+            (axes[0], [x.kld_mean for x in lv], [x.kld_err for x in lv]),
+            # llama.cpp's ± of PPL(Q)/PPL(base): it accounts for the two runs' correlation.
+            (axes[1], [x.dppl_pct for x in lv], [100 * float(x.kld.get("ppl_ratio_err", 0.0)) for x in lv]),
+        ):
+            ax.errorbar(mb, vals, yerr=err, fmt=fmt, capsize=3, label=label)
+            for x, y, t in zip(mb, vals, lv):
+                tag = t.level if not _is_edgellm_recipe(t.name) else t.name.split(report.base.rsplit("-", 1)[0] + "-")[-1]
+                ax.annotate(tag, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    import matplotlib.ticker as mticker
+
+    for ax, ylabel in ((axes[0], "mean KLD vs base (nats)"), (axes[1], "ΔPPL vs base (%)")):
+        ax.xaxis.set_major_locator(mticker.MaxNLocator(5))
+        ax.xaxis.set_major_formatter(mticker.FormatStrFormatter("%.1f"))
         ax.set_xlabel("file size (MB)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+        if len([g for _l, _f, g in series if g]) > 1:
+            ax.legend(fontsize=8)
     fig.suptitle(f"{report.base} ({report.base_level}, PPL {report.base_ppl:.2f}) — {report.corpus}, ctx {report.ctx}, "
                  f"{report.chunks} chunks", fontsize=9)
     fig.tight_layout()
