@@ -79,6 +79,8 @@ def test_system_screen_lists_devices_and_probes_workers(worker):
 def test_chat_with_gpu_layers_0_over_a_worker_replies_and_shows_the_plan(worker, default_model):
     from textual.widgets import Checkbox, Input
 
+    from edgellm.engine.gpu import gpu_backends
+
     async def run():
         app = make(initial="system")
         async with app.run_test(size=SIZE) as pilot:
@@ -101,9 +103,19 @@ def test_chat_with_gpu_layers_0_over_a_worker_replies_and_shows_the_plan(worker,
             await wait_for(pilot, lambda: not scr.generating, 300, "the reply")
             await pilot.pause(0.2)
             plan = "\n".join(str(w.render()) for w in scr.query(".plan"))
-            return refused, scr.last_reply, scr.last_stats, plan, scr.session.runtime.rpc_plan, app.notices
+            rpc_plan = scr.session.runtime.rpc_plan
+            # then on this machine alone with GPU layers auto: a reload, and the GPU plan that ran
+            scr.query_one("#set-rpc", Checkbox).value = False
+            scr.query_one("#set-gpu_layers", Input).value = "auto"
+            await type_text(pilot, "Hi")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: scr.generating, 10, "generation to start")
+            await wait_for(pilot, lambda: not scr.generating, 300, "the second reply")
+            await pilot.pause(0.2)
+            gpu = [str(w.render()) for w in scr.query(".plan")][-1]
+            return refused, scr.last_reply, scr.last_stats, plan, rpc_plan, gpu, scr.session.runtime.gpu_plan, app.notices
 
-    refused, reply, stats, plan, rpc_plan, notices = asyncio.run(run())
+    refused, reply, stats, plan, rpc_plan, gpu, gpu_plan, notices = asyncio.run(run())
     assert refused and "GPU layers: a number, all, auto or 0, not 'lots'" in refused[0], refused
     assert not errors_in(notices), notices
     assert reply.strip() and stats.generated_tokens > 0
@@ -111,6 +123,9 @@ def test_chat_with_gpu_layers_0_over_a_worker_replies_and_shows_the_plan(worker,
     assert rpc_plan is not None and [str(w.endpoint) for w in rpc_plan.workers] == [worker.address]
     assert rpc_plan.devices[1].n_layers > 0
     assert "plan: 30 layers + output over 2 devices" in plan and worker.address in plan and "RPC0" in plan
+    assert gpu == gpu_plan.describe() and gpu_plan.requested == "auto"
+    if not gpu_backends():  # this machine's CPU wheel: auto offloads nothing, and says why
+        assert gpu.startswith("GPU offload: none (no GPU device: this llama.cpp build has no GPU backend")
 
 
 def test_bench_with_gpu_layers_and_over_a_worker(worker, default_model):
