@@ -165,3 +165,51 @@ def test_bench_with_gpu_layers_and_over_a_worker(worker, default_model):
     assert all(r["n_gpu_layers"] > 0 and r["device_bytes"] > 0 and r["host_bytes"] > 0 for r in rows)
     assert cells[0][6] == str(rows[0]["n_gpu_layers"]) and cells[0][1] == "pp16"
     assert "onworkers" in mem and "network" in mem and DEFAULT_NAME[:10] in mem
+
+
+def test_a_worker_killed_mid_reply_ends_that_reply_and_the_app_stays_up(default_model):
+    """The CLI exits with one line when a worker dies; the TUI keeps running: the reply ends with
+    that line within seconds, the worker's probe then says why, and the app still quits cleanly."""
+    import time
+
+    from textual.widgets import Checkbox, DataTable, Input
+
+    victim = Worker("--mem", "1G")
+
+    async def run():
+        app = make(initial="system")
+        async with app.run_test(size=SIZE) as pilot:
+            await _configure(pilot, app, victim.address)
+            await pilot.press("f4")
+            await settled(pilot)
+            scr = app.screen
+            for key, v in {"threads": "1", "ctx": "512", "max_tokens": "400", "temperature": "0"}.items():
+                scr.query_one(f"#set-{key}", Input).value = v
+            scr.query_one("#set-rpc", Checkbox).value = True
+            scr.query_one("#chat-input", Input).focus()
+            await type_text(pilot, "Count from 1 to 300, separated by commas.")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: scr.last_reply, 300, "the reply to stream")
+            victim.proc.kill()  # SIGKILL, as a power cut would not even give
+            killed = time.monotonic()
+            await wait_for(pilot, lambda: not scr.generating, 30, "the reply to end")
+            took = time.monotonic() - killed
+            failed = [str(w.render()) for w in scr.query(".msg-error")]
+            await pilot.press("f6")
+            await settled(pilot)
+            await pilot.click("#rpc-probe")
+            await settled(pilot)
+            table = app.screen.query_one("#rpc-table", DataTable)
+            state = table.get_row(victim.address)[1]
+            await pilot.press("ctrl+q")
+            return took, failed, state, scr.session, app.notices
+
+    try:
+        took, failed, state, session, notices = asyncio.run(run())
+    finally:
+        victim.stop()
+    assert took < 10, took
+    assert len(failed) == 1 and failed[0].startswith(f"[failed: RPC worker {victim.address} went away during a generation"), failed
+    assert session is None  # dropped: the next message loads afresh
+    assert state.startswith("connection refused")
+    assert any(victim.address in m for m in errors_in(notices)), notices

@@ -9,6 +9,7 @@ edgellm.chat.session's; this screen only forwards text and renders the pieces.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Optional
 
@@ -23,7 +24,7 @@ from edgellm import paths
 from edgellm.chat import history
 from edgellm.chat.session import ChatSession, Conversation
 from edgellm.engine.runtime import GenerationStats, Runtime, RuntimeOptions, SamplingParams
-from edgellm.errors import UsageError
+from edgellm.errors import RuntimeFailure, UsageError
 from edgellm.fsutil import human_size
 from edgellm.models.catalog import load_catalog
 from edgellm.models.resolve import resolve
@@ -167,11 +168,7 @@ class ChatScreen(BaseScreen):
         acc: list[str] = []
         last = [0.0]
 
-        self._reply = (reply, acc)
-
         def call() -> Optional[GenerationStats]:
-            if options.rpc:
-                self._guard_rpc()
             if self.session is None or self.session_key != key:
                 self.ui(self._status_text, f"loading {s['model']}...")
                 self._close_session()
@@ -194,28 +191,51 @@ class ChatScreen(BaseScreen):
                     self.post_message(ReplyGrew(reply, "".join(acc)))
             return self.session.last_stats
 
-        ok, out = self.run_guarded("chat", call, token=token)
+        if options.rpc:
+            self._guard_rpc()
+            self._rpc_lost = ""
+        ok, out = self.run_guarded("chat", (lambda: self._on_daemon(call)) if options.rpc else call, token=token)
         self.ui(self._finished, reply, "".join(acc), out if ok else None, token.cancelled, "" if ok else out)
 
     def _guard_rpc(self) -> None:
         """A worker that dies mid-reply: llama.cpp's RPC client would abort the whole process (the
-        CLI's one-line exit). Here the core parks the generating thread instead and tells us, and
-        the screen ends the reply with that line; the app stays up."""
+        CLI's one-line exit). Here the core parks the thread that was generating forever instead
+        and calls us with the line that names the worker; the app stays up."""
         from edgellm.engine import rpc_native
 
         if not getattr(self, "_rpc_guarded", False):
             rpc_native.install_abort_handler("park")
-            rpc_native.on_worker_lost(lambda msg, _lost: self.ui(self._worker_lost, msg))
+            rpc_native.on_worker_lost(self._worker_lost)
             self._rpc_guarded = True
 
-    def _worker_lost(self, msg: str) -> None:
-        # The session's model has layers on the dead worker: dropped, not closed (freeing it would
-        # talk to that worker again); the next message loads afresh, and the probe says who is gone.
+    def _worker_lost(self, msg: str, _lost) -> None:
+        # Called on the parked thread. The session's model has layers on the dead worker: dropped,
+        # not closed (freeing it would talk to that worker again); the next message loads afresh.
+        self._rpc_lost = msg
         self.session, self.session_key = None, None
-        self.notify(msg, title="chat", severity="error", timeout=10)
-        if self.generating and getattr(self, "_reply", None):
-            reply, acc = self._reply
-            self._finished(reply, "".join(acc), None, False, msg)
+
+    def _on_daemon(self, fn):
+        """Run `fn` (a load and a reply over RPC) on a daemon thread and wait for it here. A lost
+        worker parks that thread for good: this one returns with the worker's line, and the parked
+        thread, being a daemon, neither holds Textual's thread pool nor keeps the app from quitting."""
+        box: list = []
+
+        def target() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # handed to run_guarded on the worker thread
+                box.append((False, e))
+
+        t = threading.Thread(target=target, name="chat-rpc", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.2)
+            if getattr(self, "_rpc_lost", ""):
+                raise RuntimeFailure(self._rpc_lost)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
 
     def _show_plans(self, runtime: Runtime) -> None:
         """Where the layers went, in the conversation, after each (re)load: the GPU plan that ran
