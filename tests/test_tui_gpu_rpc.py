@@ -58,6 +58,7 @@ def test_system_screen_lists_devices_and_probes_workers(worker):
             rows = {key.value: table.get_row(key) for key in table.rows}
             configured = app.rpc_workers
             shown = screen_text(app)
+            assert app.focused is table  # Enter leaves the field: the screen's keys act again
             # a malformed address: its one line, and the configured list stays as it was
             await _configure(pilot, app, "nohost")
             return devices, rows, configured, shown, app.rpc_workers, app.notices

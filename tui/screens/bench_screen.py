@@ -108,6 +108,8 @@ class BenchScreen(BaseScreen):
         except (ValueError, UsageError) as e:
             self.notify(str(e), severity="warning")
             return
+        if rpc and layers not in (0, "0"):
+            self.notify("GPU layers: not used with RPC workers (the split places the layers)", severity="warning")
         self.samples = []
         self.query_one(Sparkline).data = []
         self._bench(model, pp, tg, reps, layers, rpc, self.start_job(f"bench {model}" + (" over RPC" if rpc else "")))

@@ -150,6 +150,8 @@ class ChatScreen(BaseScreen):
         except UsageError as e:
             self.notify(f"settings: {e}", severity="warning", timeout=8)
             return
+        if options.rpc and options.n_gpu_layers not in (0, "0"):
+            self.notify("GPU layers: not used with RPC workers (the split places the layers)", severity="warning")
         event.input.value = ""
         log_ = self.query_one("#chat-log", VerticalScroll)
         log_.mount(Static(f"> {text}", classes="msg-user", markup=False))

@@ -92,6 +92,8 @@ class SystemScreen(BaseScreen):
     @on(Input.Submitted, "#rpc-workers")
     def _workers_submitted(self, _e: Input.Submitted) -> None:
         self.action_probe()
+        # out of the text field, so the screen's keys (r, s, d, p) act again
+        self.query_one("#rpc-table", DataTable).focus()
 
     def action_probe(self) -> None:
         """Keep the list for Chat and Bench, then probe each worker in a thread (up to seconds each)."""
