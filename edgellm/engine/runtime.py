@@ -205,7 +205,7 @@ class Runtime:
                 on_plan(self.gpu_plan)
             kw.update(self.gpu_plan.llama_kwargs())
         t0 = time.perf_counter()
-        from edgellm.engine.gpu import load_llama
+        from edgellm.engine.gpu_load import load_llama
 
         self.rpc_plan = None
         if opts.rpc:  # layers on llama.cpp RPC workers: planned (and the workers probed) before anything loads
@@ -251,7 +251,7 @@ class Runtime:
 
     def gpu_report(self) -> dict[str, Any]:
         """The offload plan and what llama.cpp reported allocating on the device and the host (its load log)."""
-        from edgellm.engine.gpu import allocation_report
+        from edgellm.engine.gpu_load import allocation_report
 
         return allocation_report(self.gpu_plan, getattr(self, "load_log", ""), self.n_gpu_layers)
 

@@ -136,7 +136,7 @@ def stats_ts(samples_ns: list[int], n_tokens: int) -> tuple[float, float]:
 
 def _device_split(lines: list[str]) -> dict[str, Any]:
     """llama.cpp's allocations on the GPU device(s) vs the host, and the layers it offloaded."""
-    from edgellm.engine.gpu import parse_buffers, split_bytes
+    from edgellm.engine.gpu_load import parse_buffers, split_bytes
 
     text = "".join(lines)
     dev, host = split_bytes(text)
