@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any, Callable, Optional, TypeVar
 
+from textual.css.query import NoMatches
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.screen import Screen
@@ -147,6 +148,10 @@ class BaseScreen(Screen):
         try:
             return self.app.call_from_thread(fn, *args, **kw)
         except RuntimeError:  # the app has exited while the job ran
+            return None
+        except NoMatches:  # the app is closing: the screen's widgets went before the job's last update
+            if self.is_mounted and self.app.is_running:
+                raise
             return None
 
     def progress_to(self, handler: Callable[[Progress], None], *, min_interval: float = 0.05) -> ProgressCallback:
