@@ -23,9 +23,11 @@ function here is then a no-op and llama.cpp behaves as before.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
+import logging
 import os
 import platform
 import signal
@@ -34,7 +36,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from edgellm.errors import RuntimeFailure
 
@@ -276,17 +278,37 @@ def ensure(model_path: Optional[Path] = None, *, tester: Optional[Tester] = None
     ggml.ggml_backend_reg_by_name.argtypes, ggml.ggml_backend_reg_by_name.restype = [ctypes.c_char_p], ctypes.c_void_p
     os.environ["GGML_BACKEND_PATH"] = choice.path
     if not ggml.ggml_backend_reg_by_name(b"CPU"):
-        # The other backends first: llama.cpp lists devices in registration order, GPUs before the CPU.
-        for other in sorted(lib.glob("libggml-*.so")):
-            if other.name.startswith(_PREFIX) or other.name in ("libggml-base.so",):
-                continue
-            ggml.ggml_backend_load(str(other).encode())
-        if choice.variant in os.environ.get(BREAK_ENV, "").split(","):
-            os.kill(os.getpid(), signal.SIGILL)
-        if not ggml.ggml_backend_load(choice.path.encode()):
+        from edgellm.engine.native_io import silence_native_stderr
+
+        with silence_native_stderr(), _quiet_llama_logger():  # ggml logs each load ("load_backend: loaded ...")
+            # The other backends first: llama.cpp lists devices in registration order, GPUs before the CPU.
+            for other in sorted(lib.glob("libggml-*.so")):
+                if other.name.startswith(_PREFIX) or other.name in ("libggml-base.so",):
+                    continue
+                ggml.ggml_backend_load(str(other).encode())
+            if choice.variant in os.environ.get(BREAK_ENV, "").split(","):
+                os.kill(os.getpid(), signal.SIGILL)
+            ok = ggml.ggml_backend_load(choice.path.encode())
+        if not ok:
             raise RuntimeFailure(f"llama.cpp could not load its CPU backend {choice.path}")
     _loaded["choice"] = choice
     return choice
+
+
+@contextlib.contextmanager
+def _quiet_llama_logger() -> Iterator[None]:
+    # llama_cpp routes ggml's log through its Python logger to sys.stderr, at every level until a Llama sets it
+    try:
+        from llama_cpp._logger import logger
+    except ImportError:
+        yield
+        return
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def current() -> Optional[Choice]:
