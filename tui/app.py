@@ -19,19 +19,20 @@ from typing import Any, Optional
 from textual.app import App
 from textual.binding import Binding
 
+from edgellm import paths
+from edgellm.engine.memory import available_ram
 from edgellm.progress import CancelToken
-
 from tui.modes import QUIT_KEY, SCREENS
+from tui.screens.bench_screen import BenchScreen
+from tui.screens.chat_screen import ChatScreen
+from tui.screens.models_screen import ModelsScreen
+from tui.screens.quantize_screen import QuantizeScreen
+from tui.screens.system_screen import SystemScreen
 
 log = logging.getLogger(__name__)
 
 def _mode_factories() -> dict[str, Any]:
-    from tui.screens.bench_screen import BenchScreen
-    from tui.screens.chat_screen import ChatScreen
-    from tui.screens.evaluate_screen import EvaluateScreen
-    from tui.screens.models_screen import ModelsScreen
-    from tui.screens.quantize_screen import QuantizeScreen
-    from tui.screens.system_screen import SystemScreen
+    from tui.screens.evaluate_screen import EvaluateScreen  # lazy: loads numpy
 
     return {
         "models": ModelsScreen,
@@ -87,7 +88,6 @@ class EdgeApp(App):
         EDGELLM_FAKE_AVAILABLE_RAM, or `ram_bytes=`)."""
         if self._ram_bytes:
             return self._ram_bytes
-        from edgellm.engine.memory import available_ram
 
         return available_ram()
 
@@ -157,7 +157,6 @@ def run_tui(**kw: Any) -> int:
     app draws on a duplicate of the terminal's fd and fd 2 points at a log
     file under EDGELLM_HOME for the whole session.
     """
-    from edgellm import paths
 
     term_file = None
     saved_fd = None

@@ -26,7 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from edgellm.chat.template import ChatTemplate
+from edgellm.engine.runtime import SamplingParams, default_threads
 from edgellm.errors import ModelExists, UsageError
+from edgellm.fsutil import (
+    atomic_open,
+    atomic_write_text,
+    check_free_disk,
+    copy_with_sha256,
+)
+from edgellm.gguf.reader import read_gguf, read_layout
+from edgellm.models.resolve import resolve
 
 MODELFILE_DIRECTIVES = {"FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "ADAPTER", "LICENSE", "MESSAGE", "REQUIRES"}
 OLLAMA_PARAMETERS = {"num_ctx", "repeat_last_n", "repeat_penalty", "temperature", "seed", "stop", "num_predict",
@@ -131,7 +141,6 @@ class ModelFacts:
 
 def model_facts(path: Path, name: str) -> ModelFacts:
     """What the hand-off needs from a GGUF, without loading it: template, BOS/EOS texts, context."""
-    from edgellm.gguf.reader import read_gguf, read_layout
 
     info = read_gguf(path)
     kv = {k: v for k, _t, v, _it in read_layout(path).raw_kvs if not k.startswith("tokenizer.ggml.merges")}
@@ -151,7 +160,6 @@ def model_facts(path: Path, name: str) -> ModelFacts:
 
 def edgellm_render(facts: ModelFacts, messages: list[dict[str, str]]) -> str:
     """The prompt text `edgellm chat` sends for `messages` (a BOS the tokenizer adds is not text)."""
-    from edgellm.chat.template import ChatTemplate
 
     with ChatTemplate(facts.chat_template, bos_token=facts.bos_text, eos_token=facts.eos_text, warn=lambda m: None,
                       model_name=facts.name) as t:
@@ -162,7 +170,6 @@ def edgellm_render(facts: ModelFacts, messages: list[dict[str, str]]) -> str:
 
 
 def _pieces_for(facts: ModelFacts) -> RolePieces:
-    from edgellm.chat.template import ChatTemplate
 
     if not facts.chat_template:
         raise UsageError(f"{facts.name} has no chat template to translate for Ollama")
@@ -177,7 +184,6 @@ def _pieces_for(facts: ModelFacts) -> RolePieces:
 
 
 def sampling_defaults() -> dict[str, float]:
-    from edgellm.engine.runtime import SamplingParams
 
     s = SamplingParams()
     return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty}
@@ -224,8 +230,6 @@ def check_modelfile(text: str) -> list[str]:
 
 def export_ollama(name: str, dest: Path, *, n_ctx: Optional[int] = None, on_progress=None, cancel=None) -> dict[str, Any]:
     """DIR/<model>.gguf and DIR/Modelfile; DIR must be new or empty. Nothing is left half-written."""
-    from edgellm.fsutil import atomic_open, atomic_write_text, check_free_disk, copy_with_sha256
-    from edgellm.models.resolve import resolve
 
     r = resolve(name)
     facts = model_facts(r.path, r.label)
@@ -258,8 +262,6 @@ def _ollama_name(label: str) -> str:
 def llama_server(name: str, *, n_ctx: Optional[int] = None, threads: Optional[int] = None, kv_type: str = "f16",
                  host: str = "127.0.0.1", port: int = 8080, rpc: Optional[str] = None) -> dict[str, Any]:
     """The llama-server command line that serves `name` as `edgellm serve` would, and a llama-swap entry."""
-    from edgellm.engine.runtime import default_threads
-    from edgellm.models.resolve import resolve
 
     r = resolve(name)
     facts = model_facts(r.path, r.label)

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from edgellm import paths
 from edgellm.errors import ModelNotFound, StoreError, UsageError
+from edgellm.fsutil import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +207,6 @@ def to_markdown(s: SavedSession) -> str:
 
 def write_copy(s: SavedSession, target: Path) -> Path:
     """/save PATH: Markdown when the name ends in .md, else the JSONL records."""
-    from edgellm.fsutil import atomic_write_text
 
     target = target.expanduser()
     if target.suffix.lower() in (".md", ".markdown"):

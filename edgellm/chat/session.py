@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from edgellm.chat import history as chat_history
-from edgellm.chat.template import ChatTemplate, TemplateError
-from edgellm.errors import UsageError
-from edgellm.progress import CancelToken
-from edgellm.engine.runtime import GenerationStats, Runtime, SamplingParams
 from edgellm.chat.structured import Constraint
+from edgellm.chat.template import ChatTemplate, TemplateError
+from edgellm.engine.runtime import GenerationStats, Runtime, SamplingParams
+from edgellm.errors import UsageError
+from edgellm.fsutil import human_size
+from edgellm.progress import CancelToken
 
 log = logging.getLogger(__name__)
 
@@ -340,7 +341,6 @@ class ChatSession:
 
 def format_info(info: dict[str, Any]) -> str:
     """/stats as text."""
-    from edgellm.fsutil import human_size
 
     lines = [f"model        {info['model']}   session {info['session_id'] or '-'}"]
     kv_line = f"KV cache     {info['kv_type']}: {human_size(info['kv_cache_bytes'])} for {info['context_size']} tokens"

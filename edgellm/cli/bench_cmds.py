@@ -9,6 +9,12 @@ import click
 
 from edgellm.cli.output import cancellable, emit_json, progress_bar
 from edgellm.cli.worker_cmds import rpc_options
+from edgellm.engine.gpu import parse_size
+from edgellm.errors import UsageError
+from edgellm.fsutil import human_size
+from edgellm.profile.bench import bench
+from edgellm.profile.bench_rpc import bench_rpc, render
+from edgellm.profile.results import write_plot
 
 CSV_FIELDS = [
     "model", "model_filename", "model_type", "model_size", "model_n_params", "test", "n_prompt", "n_gen",
@@ -50,9 +56,6 @@ def bench_cmd(models, pp, tg, repetitions, threads, n_ctx, no_mmap, gpu_layers, 
     if rpc or rpc_split:
         return _bench_rpc(models, rpc, rpc_split, pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx,
                           compare_llama_bench=compare_llama_bench, fmt=fmt, no_progress=no_progress)
-    from edgellm.engine.gpu import parse_size
-    from edgellm.profile.bench import bench
-    from edgellm.profile.results import write_plot
 
     with cancellable() as cancel:
         rows = bench(
@@ -81,8 +84,6 @@ def bench_cmd(models, pp, tg, repetitions, threads, n_ctx, no_mmap, gpu_layers, 
 
 
 def _bench_rpc(models, rpc, rpc_split, *, fmt, no_progress, **kw) -> None:
-    from edgellm.errors import UsageError
-    from edgellm.profile.bench_rpc import bench_rpc, render
 
     if not rpc:
         raise UsageError("--split needs --rpc")
@@ -103,7 +104,6 @@ def _bench_rpc(models, rpc, rpc_split, *, fmt, no_progress, **kw) -> None:
 
 
 def _mb(n) -> str:
-    from edgellm.fsutil import human_size
 
     return "-" if n is None else human_size(n)
 

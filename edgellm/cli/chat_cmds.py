@@ -14,8 +14,19 @@ from typing import Any, Optional
 
 import click
 
+from edgellm import paths
+from edgellm.chat import history as chat_history
+from edgellm.chat import structured
+from edgellm.chat.session import ChatSession, Conversation, format_info, stats_line
+from edgellm.cli.output import cancellable, emit_json
 from edgellm.cli.worker_cmds import prepare_rpc, rpc_options
+from edgellm.engine.gpu import parse_size
 from edgellm.engine.memory import DEFAULT_CTX
+from edgellm.engine.runtime import Runtime, RuntimeOptions, SamplingParams
+from edgellm.errors import Cancelled, EdgeLLMError, UsageError
+from edgellm.fsutil import atomic_write_text
+from edgellm.models.resolve import resolve
+from edgellm.progress import CancelToken
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +50,7 @@ def _show_plan(plan) -> None:
         click.echo(plan.describe(), err=True)
 
 
+# long: one click command read top to bottom: options, the load with its plans, then one-shot or the interactive loop
 @click.command("chat")
 @click.argument("model", required=False)
 @click.option("-p", "--prompt", help="One-shot: send PROMPT, print the reply on stdout, stats on stderr.")
@@ -84,7 +96,6 @@ def chat_cmd(model: Optional[str], prompt: Optional[str], system: Optional[str],
       edgellm chat smollm2-135m-instruct --json-schema person.json -p "Alice is 31."
       edgellm chat --list;  edgellm chat --export ID -o chat.md
     """
-    from edgellm.errors import UsageError
 
     if list_sessions or export_id or delete_id:
         return _history_command(list_sessions, export_id, delete_id, output, as_json)
@@ -93,20 +104,12 @@ def chat_cmd(model: Optional[str], prompt: Optional[str], system: Optional[str],
     if json_schema and grammar:
         raise UsageError("use --json-schema or --grammar, not both")
 
-    from edgellm.chat.session import ChatSession, Conversation, stats_line
-    from edgellm.cli.output import cancellable, emit_json
-    from edgellm.errors import Cancelled
-    from edgellm.models.resolve import resolve
-    from edgellm.engine.runtime import Runtime, RuntimeOptions, SamplingParams
-    from edgellm.chat import structured
-
     constraint = None
     if json_schema:
         constraint = structured.load_file(json_schema, kind="json-schema")
     elif grammar:
         constraint = structured.load_file(grammar, kind="grammar")
     resolved = resolve(model)
-    from edgellm.engine.gpu import parse_size
 
     opts = RuntimeOptions(n_ctx=n_ctx, n_threads=threads, n_gpu_layers=gpu_layers, gpu_device=gpu_device,
                           gpu_mem=parse_size(gpu_mem), kv_type=kv_type, use_mlock=mlock, use_mmap=not no_mmap,
@@ -153,10 +156,6 @@ def chat_cmd(model: Optional[str], prompt: Optional[str], system: Optional[str],
 
 
 def _interactive(session, runtime, kw: dict[str, Any]) -> None:
-    from edgellm.chat.session import ChatSession, format_info, stats_line
-    from edgellm.errors import EdgeLLMError
-    from edgellm.progress import CancelToken
-    from edgellm.chat import history as chat_history
 
     tty = sys.stdin.isatty()
     if tty:
@@ -250,7 +249,6 @@ def _setup_readline() -> None:
         import readline
     except ImportError:  # line editing is a nicety
         return
-    from edgellm import paths
 
     hist = paths.history_dir() / ".readline"
     with contextlib.suppress(OSError):
@@ -267,10 +265,6 @@ def _setup_readline() -> None:
 
 def _history_command(list_sessions: bool, export_id: Optional[str], delete_id: Optional[str], output: Optional[str], as_json: bool) -> None:
     import time
-
-    from edgellm.chat import history as chat_history
-    from edgellm.cli.output import emit_json
-    from edgellm.fsutil import atomic_write_text
 
     if list_sessions:
         rows = chat_history.list_sessions()

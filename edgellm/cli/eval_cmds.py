@@ -8,6 +8,7 @@ import click
 
 from edgellm.cli.output import emit_json, running_job
 from edgellm.cli.worker_cmds import prepare_rpc, rpc_options
+from edgellm.errors import UsageError
 from edgellm.fsutil import human_size
 
 
@@ -29,7 +30,6 @@ def _text_options(f):
 
 
 def _check_source(text, corpus) -> None:
-    from edgellm.errors import UsageError
 
     if text is None and corpus is None:
         raise UsageError("give --text FILE or --corpus NAME (python-docs is built in)")
@@ -49,7 +49,7 @@ def ppl_cmd(model, text, corpus, ctx, chunks, batch, threads, as_json, no_progre
       edgellm ppl smollm2-135m-instruct --corpus python-docs --chunks 8
       edgellm ppl model.gguf --text wiki.test.raw --ctx 512 --json
     """
-    from quant.perplexity import perplexity
+    from quant.perplexity import perplexity  # lazy: loads numpy
 
     _check_source(text, corpus)
     rpc_plan = None
@@ -87,7 +87,7 @@ def eval_cmd(base, levels, text, corpus, ctx, chunks, batch, threads, as_json, n
     Example:
       edgellm eval smollm2-135m-instruct-f16 --levels q4_0,q4_k_m,q5_k_m,q8_0 --corpus python-docs --chunks 4
     """
-    from quant.evaluate import evaluate, write_plot
+    from quant.evaluate import evaluate, write_plot  # lazy: loads numpy
 
     _check_source(text, corpus)
     items = [s.strip() for s in levels.split(",") if s.strip()]
@@ -135,9 +135,7 @@ def render_table(report) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def recommend_cmd(ram, ctx, as_json) -> None:
     """The best measured level that fits this machine, from saved `edgellm eval` results."""
-    from quant.recommend import recommend
-
-    from edgellm.errors import UsageError
+    from quant.recommend import recommend  # lazy: loads numpy
 
     if ram is not None and ram <= 0:
         raise UsageError("--ram must be positive (GB)")

@@ -6,7 +6,18 @@ from pathlib import Path
 
 import click
 
+from edgellm.chat import handoff
 from edgellm.cli.output import emit_json, running_job
+from edgellm.engine.memory import DEFAULT_CTX, available_ram, estimate, fit_mark
+from edgellm.errors import GGUFError, UsageError
+from edgellm.fsutil import human_size
+from edgellm.gguf.reader import check_tensor_data, human_params, read_gguf
+from edgellm.models import bundle, foreign
+from edgellm.models.catalog import load_catalog
+from edgellm.models.pull import pull
+from edgellm.models.resolve import import_file, remove, resolve
+from edgellm.models.store import Store
+from quant.levels import level_estimate
 
 
 @click.group("models")
@@ -19,13 +30,6 @@ def models_group() -> None:
 @click.option("--local", is_flag=True, help="Only models in the store.")
 def list_cmd(as_json: bool, local: bool) -> None:
     """The local store and the catalog, with sizes, levels and sources."""
-    from edgellm.engine.memory import DEFAULT_CTX, available_ram, estimate, fit_mark
-    from edgellm.errors import GGUFError
-    from edgellm.fsutil import human_size
-    from edgellm.gguf.reader import read_gguf
-    from edgellm.models.catalog import load_catalog
-    from edgellm.models.store import Store
-    from quant.levels import level_estimate
 
     store = Store()
     models = store.list()
@@ -100,7 +104,6 @@ def pull_cmd(ref, level, filename, offline, force, wheel, name, revision, as_jso
       edgellm pull qwen2.5-0.5b-instruct:q4_k_m
       edgellm pull bartowski/SmolLM2-360M-Instruct-GGUF --level q8_0
     """
-    from edgellm.models.pull import pull
 
     if level and "/" not in ref and ":" not in ref:
         ref, level = f"{ref}:{level.lower()}", None  # a catalog name: --level is the same as NAME:LEVEL
@@ -141,8 +144,6 @@ def export_cmd(names, dest: str, as_json: bool, n_ctx, threads, kv_type, rpc) ->
     """
     import json as _json
 
-    from edgellm.models import bundle
-
     if dest in ("ollama", "llama-server"):
         return _handoff(dest, list(names), as_json, n_ctx=n_ctx, threads=threads, kv_type=kv_type, rpc=rpc)
     with running_job(not as_json) as (bar, token):
@@ -158,8 +159,6 @@ def export_cmd(names, dest: str, as_json: bool, n_ctx, threads, kv_type, rpc) ->
 
 
 def _handoff(target: str, names: list[str], as_json: bool, **kw) -> None:
-    from edgellm.chat import handoff
-    from edgellm.errors import UsageError
 
     if target == "ollama":
         if len(names) != 2:
@@ -203,7 +202,6 @@ def import_cmd(args, tool, root, link: bool, name, as_json: bool) -> None:
       edgellm import --from ollama                      # list Ollama's models
       edgellm import --from ollama smollm2:135m --link  # register without a second copy
     """
-    from edgellm.errors import UsageError
 
     if tool:
         return _import_foreign(tool, list(args), root, link, name, as_json)
@@ -212,7 +210,6 @@ def import_cmd(args, tool, root, link: bool, name, as_json: bool) -> None:
     if len(args) != 1:
         raise UsageError("import takes one PATH (a GGUF file or a bundle folder), or --from TOOL [NAME...]")
     path = Path(args[0])
-    from edgellm.models.resolve import import_file
 
     with running_job(not as_json) as (bar, token):
         if path.is_dir():
@@ -236,8 +233,6 @@ def _report_imported(recs, as_json: bool) -> None:
 
 
 def _import_foreign(tool: str, names: list[str], root, link: bool, name, as_json: bool) -> None:
-    from edgellm.errors import UsageError
-    from edgellm.models import foreign
 
     found = foreign.discover(tool, root)
     if not names:
@@ -257,10 +252,6 @@ def _import_foreign(tool: str, names: list[str], root, link: bool, name, as_json
 
 
 def _list_foreign(tool: str, found, root) -> None:
-    from edgellm.errors import GGUFError
-    from edgellm.fsutil import human_size
-    from edgellm.gguf.reader import read_gguf
-    from edgellm.models import foreign
 
     where = root or foreign.default_root(tool)
     click.echo(f"{foreign.LABELS[tool]} store ({where}): {len(found)} GGUF model(s)")
@@ -279,7 +270,6 @@ def _list_foreign(tool: str, found, root) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def rm_cmd(names, as_json: bool) -> None:
     """Remove models from the store (their files too, when the store owns them)."""
-    from edgellm.models.resolve import remove
 
     removed = [remove(n) for n in names]
     if as_json:
@@ -308,9 +298,6 @@ def _quant_lineage(info, record) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect_cmd(ref: str, as_json: bool) -> None:
     """Architecture, parameters, context, level, bits/weight, tensor types of a model or file."""
-    from edgellm.fsutil import human_size
-    from edgellm.gguf.reader import check_tensor_data, human_params, read_gguf
-    from edgellm.models.resolve import resolve
 
     r = resolve(ref)
     info = read_gguf(r.path)

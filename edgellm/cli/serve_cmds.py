@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from edgellm.cli.worker_cmds import prepare_rpc, rpc_options
+from edgellm.serve.app import ServerConfig, bind_warning, describe, serve
 
 
 @click.command("serve")
@@ -38,7 +39,6 @@ def serve_cmd(model, host, port, api_key, max_loaded, queue_size, n_ctx, paralle
         from edgellm.errors import UsageError
 
         raise UsageError(f"edgellm serve needs the server extra ({e.name} is missing): pip install 'edgellm[serve]'") from None
-    from edgellm.serve.app import ServerConfig, bind_warning, serve
 
     if rpc and model:  # reach the workers and show the plan now: a bad --rpc is a one-line error before binding
         from edgellm.models.resolve import resolve
@@ -56,7 +56,6 @@ def serve_cmd(model, host, port, api_key, max_loaded, queue_size, n_ctx, paralle
         click.echo(f"warning: {warning}", err=True)
 
     def ready(url: str, app) -> None:
-        from edgellm.serve.app import describe
 
         default = app.state.models.default
         click.echo(f"edgellm serve: listening on {url}/v1 (default model: {default.name if default else 'none'}; "

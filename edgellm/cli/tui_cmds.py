@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from edgellm.errors import UsageError
+
 
 @click.command("tui")
 @click.option("--screen", "initial", type=click.Choice(["models", "quantize", "evaluate", "chat", "bench", "system"]), default="models", show_default=True, help="Screen to open first.")
@@ -14,11 +16,9 @@ def tui_cmd(initial: str) -> None:
     in its footer."""
     import sys
 
-    from edgellm.errors import UsageError
-
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError("the TUI needs an interactive terminal; use the subcommands (`edgellm --help`) in scripts")
-    from tui.app import run_tui
+    from tui.app import run_tui  # lazy: loads rich, textual
 
     rc = run_tui(initial=initial)
     if rc:

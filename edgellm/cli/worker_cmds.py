@@ -8,6 +8,12 @@ from typing import Any, Callable, Optional
 
 import click
 
+from edgellm.engine import rpc, rpc_native
+from edgellm.engine.rpc import prepare
+from edgellm.engine.runtime import default_threads
+from edgellm.errors import RuntimeFailure, UsageError
+from edgellm.fsutil import human_size
+
 SECURITY = ("the RPC protocol has no authentication or encryption: anyone who can reach this port can "
             "allocate memory and run computations on this machine; keep it on a trusted LAN or behind an SSH tunnel "
             "(docs/rpc.md)")
@@ -31,7 +37,6 @@ def prepare_rpc(path: Any, rpc: Optional[str], rpc_split: Optional[str], *, n_ct
 
             raise UsageError("--split needs --rpc")
         return None
-    from edgellm.engine.rpc import prepare
 
     plan = prepare(path, rpc, n_ctx=n_ctx, kv_type=kv_type, split=rpc_split, force=force)
     if show:
@@ -47,7 +52,6 @@ def parse_mem(text: Optional[str]) -> Optional[int]:
     """`--mem 4G`, `512MiB`, `2.5GB` → bytes (binary units: what RAM is sold in)."""
     if text is None:
         return None
-    from edgellm.errors import UsageError
 
     m = _SIZE_RE.match(text)
     if not m:
@@ -87,9 +91,6 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
     import threading
     from pathlib import Path
 
-    from edgellm.errors import RuntimeFailure, UsageError
-    from edgellm.fsutil import human_size
-
     mem_bytes = parse_mem(mem)
     try:
         ip = socket.gethostbyname(host)
@@ -105,9 +106,6 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
             cache.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UsageError(f"--cache: cannot create {cache}: {e.strerror or e}") from None
-
-    from edgellm.engine import rpc, rpc_native
-    from edgellm.engine.runtime import default_threads
 
     n_threads = threads or default_threads()
     _dev, desc = rpc_native.cpu_device()
@@ -148,8 +146,6 @@ def _check_bind(ip: str, port: int) -> None:
     """Bind once here: a busy port is a one-line error (llama.cpp would only print "Failed to create server socket")."""
     import socket
 
-    from edgellm.errors import UsageError
-
     probe_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     probe_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -176,8 +172,6 @@ def _quiet_native_stdout() -> None:
 def _wait_ready(thread: Any, ip: str, port: int, timeout: float = 15.0) -> Any:
     """The worker's own hello, answered: its protocol and the memory it offers (None if it never answered)."""
     import time
-
-    from edgellm.engine import rpc
 
     deadline = time.monotonic() + timeout
     while thread.is_alive() and time.monotonic() < deadline:

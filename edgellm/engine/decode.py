@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 
 import llama_cpp
 
+from edgellm.engine.native_io import capture_native_stderr
 from edgellm.errors import RuntimeFailure, UsageError
 
 RANDOM_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: llama.cpp draws a random seed
@@ -247,8 +248,6 @@ def check_grammar(vocab: Any, gbnf: str) -> None:
     the output captured for the message.
     """
     from llama_cpp import _logger
-
-    from edgellm.engine.native_io import capture_native_stderr
 
     if not gbnf.strip():
         raise UsageError("the grammar is empty")

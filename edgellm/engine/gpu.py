@@ -28,8 +28,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from edgellm.engine.memory import estimate
 from edgellm.errors import UsageError
 from edgellm.fsutil import human_size
+from edgellm.gguf.reader import read_layout
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +241,6 @@ _BLK = re.compile(r"^blk\.(\d+)\.")
 
 def layer_costs(path: Path | str, info, *, ctx: int, kv_type: str = "f16", n_ubatch: int = 512) -> LayerCosts:
     """Split the RAM guard's estimate per layer with the GGUF's own tensor sizes."""
-    from edgellm.engine.memory import estimate
-    from edgellm.gguf.reader import read_layout
 
     est = estimate(info, ctx=ctx, kv_type=kv_type, n_ubatch=n_ubatch)
     n = int(info.block_count or 0)

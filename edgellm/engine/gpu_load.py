@@ -8,6 +8,7 @@ import re
 from typing import Any, Optional
 
 from edgellm.engine.gpu import GpuPlan
+from edgellm.errors import RuntimeFailure
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -103,8 +104,6 @@ def load_llama(kw: dict[str, Any], plan: Optional[GpuPlan], *, name: str, quiet=
     import contextlib
 
     import llama_cpp
-
-    from edgellm.errors import RuntimeFailure
 
     quiet = quiet or (lambda enabled: contextlib.nullcontext())
     try:

@@ -33,8 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from edgellm.engine.memory import (
+    PROCESS_BYTES,
+    available_ram,
+    estimate,
+    kv_bytes_per_token,
+)
 from edgellm.errors import EdgeLLMError, InsufficientResources, UsageError
 from edgellm.fsutil import human_size
+from edgellm.gguf.reader import read_gguf, read_layout
 
 DEFAULT_PORT = 50052
 MAX_SERVERS = 16  # GGML_RPC_MAX_SERVERS
@@ -312,8 +319,6 @@ def _shares(weights: Sequence[float], n: int) -> list[int]:
 def plan(path: Path | str, workers: Sequence[WorkerInfo], *, local_memory: int, n_ctx: int, kv_type: str = "f16",
          n_ubatch: int = 512, split: Optional[Sequence[float]] = None, force: bool = False) -> Plan:
     """Where each layer goes, and how many bytes that puts on each device."""
-    from edgellm.engine.memory import PROCESS_BYTES, estimate, kv_bytes_per_token
-    from edgellm.gguf.reader import read_gguf, read_layout
 
     info = read_gguf(path)
     n_layer = info.block_count
@@ -378,7 +383,6 @@ def prepare(path: Path | str, endpoints: Sequence[str] | str, *, n_ctx: int, kv_
             split: Optional[str] = None, force: bool = False, timeout: float = PROBE_TIMEOUT,
             known: Optional[dict[Endpoint, WorkerInfo]] = None) -> Plan:
     """Parse, reach and check every worker, then plan the split: everything before llama.cpp sees them."""
-    from edgellm.engine.memory import available_ram
 
     eps = parse_endpoints(endpoints)
     if not eps:

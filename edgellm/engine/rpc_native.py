@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from edgellm.engine.rpc import Endpoint, RpcError
+from edgellm.engine.rpc import Endpoint, RpcError, prepare
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +324,6 @@ __all__ = ["plan_for", "loading", "apply_to_params", "compiled_in", "add_servers
 
 def plan_for(path: Path | str, options: Any) -> Any:
     """The split plan for a `RuntimeOptions` with `rpc` set (probes the workers)."""
-    from edgellm.engine.rpc import prepare
 
     known = {ep: info for ep, info in _state["infos"].items() if connected(ep) and ep not in _state["lost"]}
     return prepare(path, options.rpc, n_ctx=options.n_ctx, kv_type=options.kv_type, n_ubatch=options.n_ubatch,

@@ -21,15 +21,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
-from edgellm.errors import Cancelled, RuntimeFailure, UsageError
-from edgellm.progress import CancelToken
+from edgellm.engine import backends, hardware
+from edgellm.engine.gpu_load import allocation_report, load_llama
+from edgellm.engine.memory import DEFAULT_CTX, check_fits, estimate, kv_bytes_per_token
+from edgellm.engine.memory import KV_BYTES_PER_ELEM as KV_BYTES_PER_ELEMENT  # one table for the load guard and /stats
 from edgellm.engine.native_io import capture_native_stderr, silence_native_stderr
+from edgellm.errors import Cancelled, UsageError
+from edgellm.gguf.reader import read_gguf
+from edgellm.progress import CancelToken
 
 log = logging.getLogger(__name__)
 
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
-# Bytes per K/V element for each cache type (ggml block size / elements per block).
-from edgellm.engine.memory import DEFAULT_CTX, KV_BYTES_PER_ELEM as KV_BYTES_PER_ELEMENT, check_fits, estimate, kv_bytes_per_token  # noqa: E402
 
 
 def default_threads() -> int:
@@ -137,6 +140,7 @@ def resolve_gpu_layers(value: Union[int, str], *, warn: Callable[[str], None] = 
 class Runtime:
     """One model loaded in llama.cpp."""
 
+    # long: the load is one sequence: validate, size (RAM, GPU, RPC plans), load, fall back to the CPU; split, the order would hide
     def __init__(
         self,
         path: Path | str,
@@ -147,7 +151,6 @@ class Runtime:
         on_plan: Optional[Callable[[Any], None]] = None,
         rpc_plan: Any = None,
     ) -> None:
-        from edgellm.gguf.reader import read_gguf
 
         self.path = Path(path)
         self.options = opts = options or RuntimeOptions()
@@ -164,11 +167,9 @@ class Runtime:
                 check_fits(self.memory, self.path.name, force=opts.force, warn=warn or log.warning)
         if opts.n_ctx < 8:
             raise UsageError(f"context size {opts.n_ctx} is too small")
-        from edgellm.engine import backends, hardware
 
         # portable build: load its CPU variant (self-tested with this model the first time) before llama.cpp looks for one
         backends.ensure(self.path, tester=hardware.self_test)
-        import llama_cpp
 
         n_threads = opts.n_threads or default_threads()
         kw: dict[str, Any] = dict(
@@ -205,7 +206,6 @@ class Runtime:
                 on_plan(self.gpu_plan)
             kw.update(self.gpu_plan.llama_kwargs())
         t0 = time.perf_counter()
-        from edgellm.engine.gpu_load import load_llama
 
         self.rpc_plan = None
         if opts.rpc:  # layers on llama.cpp RPC workers: planned (and the workers probed) before anything loads
@@ -251,7 +251,6 @@ class Runtime:
 
     def gpu_report(self) -> dict[str, Any]:
         """The offload plan and what llama.cpp reported allocating on the device and the host (its load log)."""
-        from edgellm.engine.gpu_load import allocation_report
 
         return allocation_report(self.gpu_plan, getattr(self, "load_log", ""), self.n_gpu_layers)
 
@@ -291,7 +290,9 @@ class Runtime:
 
     def check_grammar(self, gbnf: str) -> None:
         """Parse a GBNF grammar with llama.cpp's parser; a bad one → one-line UsageError."""
-        from edgellm.engine.decode import check_grammar
+        from edgellm.engine.decode import (
+            check_grammar,  # lazy: loads jinja2, llama_cpp, numpy
+        )
 
         check_grammar(self.llm._model.vocab, gbnf)
 
@@ -343,7 +344,12 @@ class Runtime:
         evaluated. Cancelling stops after the current token; the KV cache then
         holds the prompt and what was generated, and the runtime stays usable.
         """
-        from edgellm.engine.decode import Sampler, TextStream, common_prefix, decode_prompt
+        from edgellm.engine.decode import (  # lazy: loads jinja2, llama_cpp, numpy
+            Sampler,
+            TextStream,
+            common_prefix,
+            decode_prompt,
+        )
 
         s = sampling or SamplingParams()
         st = stats if stats is not None else GenerationStats()

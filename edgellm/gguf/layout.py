@@ -187,6 +187,7 @@ _MAX_COUNT = 1 << 32
 _KEEP_ARRAYS = 4096
 
 
+# long: one bounds-checked pass over header, metadata and tensor table; the readers are closures sharing `pos`
 def _parse(path: Path, size: int, *, raw: bool = False) -> _Parsed:
     """With `raw`, also keep every KV as written (strings as bytes, arrays whole)
     in `raw_kvs`, for code that copies metadata verbatim (quant/convert.py)."""

@@ -23,11 +23,23 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from edgellm.errors import EdgeLLMError, GGUFError, IntegrityError, ModelExists, UsageError
-from edgellm.fsutil import atomic_write_text, check_free_disk, copy_with_sha256, partial_path
+from edgellm import __version__
+from edgellm.errors import (
+    EdgeLLMError,
+    GGUFError,
+    IntegrityError,
+    ModelExists,
+    UsageError,
+)
+from edgellm.fsutil import (
+    atomic_write_text,
+    check_free_disk,
+    copy_with_sha256,
+    partial_path,
+)
 from edgellm.gguf.reader import validate_for_import
-from edgellm.progress import CancelToken, ProgressCallback, no_progress
 from edgellm.models.store import ModelRecord, Store, validate_name
+from edgellm.progress import CancelToken, ProgressCallback, no_progress
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +146,6 @@ def _catalog_data(name: Optional[str]) -> Optional[dict[str, Any]]:
 
 
 def _version() -> str:
-    from edgellm import __version__
 
     return __version__
 
@@ -241,6 +252,7 @@ def _order(models: list[dict]) -> list[dict]:
     return out
 
 
+# long: every file of the bundle is verified before any is registered, and all of it is undone on failure: one transaction
 def import_bundle(
     folder: Path | str,
     *,

@@ -20,6 +20,7 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+from edgellm.models.store import validate_name
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,6 @@ def parse_ref(ref: str) -> tuple[str, Optional[str]]:
 
 
 def load_catalog(path: Optional[Path] = None) -> Catalog:
-    from edgellm.models.store import validate_name
 
     path = path or catalog_path()
     try:

@@ -32,8 +32,15 @@ from typing import Any, Optional
 from edgellm.errors import IntegrityError, ModelExists, ModelNotFound, UsageError
 from edgellm.fsutil import sha256_file
 from edgellm.gguf.reader import GGUF_MAGIC, split_set, validate_for_import
+from edgellm.models.resolve import record_from_info
+from edgellm.models.store import (
+    ModelRecord,
+    Store,
+    copy_into_store,
+    link_into_store,
+    validate_name,
+)
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
-from edgellm.models.store import ModelRecord, Store, copy_into_store, link_into_store, validate_name
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +270,6 @@ def import_foreign(
     (not a valid GGUF, tensors that do not tile), ModelExists, InsufficientResources
     (copying), Cancelled. On any failure nothing is registered and nothing is left in the store.
     """
-    from edgellm.models.resolve import record_from_info
 
     store = store or Store()
     name = validate_name(name or model.store_name)

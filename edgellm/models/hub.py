@@ -30,7 +30,6 @@ from typing import Any, Callable, Iterator, Optional
 from urllib.parse import urlsplit
 
 from edgellm import paths
-from edgellm.models.catalog import CatalogEntry, load_catalog, parse_ref
 from edgellm.errors import (
     CatalogError,
     DownloadError,
@@ -49,10 +48,20 @@ from edgellm.fsutil import (
     sha256_file,
 )
 from edgellm.gguf.reader import read_gguf
+from edgellm.models.catalog import CatalogEntry, load_catalog, parse_ref
 from edgellm.models.preflight import Preflight, preflight_ram
-from edgellm.models.transfer import RemoteFile, call, endpoint, fetch, resume_size, sidecar_file, verify
-from edgellm.progress import CancelToken, ProgressCallback, no_progress
+from edgellm.models.resolve import record_from_info
 from edgellm.models.store import ModelRecord, Store, validate_name
+from edgellm.models.transfer import (
+    RemoteFile,
+    call,
+    endpoint,
+    fetch,
+    resume_size,
+    sidecar_file,
+    verify,
+)
+from edgellm.progress import CancelToken, ProgressCallback, no_progress
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +346,6 @@ def _download_and_register(store: Store, target: Target, name: str, commit: str,
 
 def _record(store: Store, name: str, finals: list[Path], shas: dict[str, str], total: int, *, source: str,
             target: Target, filenames: list[str]) -> ModelRecord:
-    from edgellm.models.resolve import record_from_info
 
     info = read_gguf(finals[0])
     for p in finals[1:]:

@@ -22,8 +22,22 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from edgellm import paths
-from edgellm.errors import IntegrityError, ModelExists, ModelNotFound, StoreError, UsageError
-from edgellm.fsutil import atomic_write_text, remove_stale_partials, sha256_file
+from edgellm.errors import (
+    IntegrityError,
+    ModelExists,
+    ModelNotFound,
+    StoreError,
+    UsageError,
+)
+from edgellm.fsutil import (
+    atomic_path,
+    atomic_write_text,
+    check_free_disk,
+    copy_with_sha256,
+    remove_stale_partials,
+    sha256_file,
+)
+from edgellm.progress import no_progress
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +239,6 @@ class Store:
 
 def copy_into_store(store: Store, src: Path, name: str, *, filename: Optional[str] = None, on_progress=None, cancel=None) -> tuple[Path, int, str]:
     """Copy a file into the store's folder for `name`, hashing on the way."""
-    from edgellm.fsutil import atomic_path, check_free_disk, copy_with_sha256
-    from edgellm.progress import no_progress
 
     folder = store.model_folder(name)
     folder.mkdir(parents=True, exist_ok=True)

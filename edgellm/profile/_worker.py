@@ -234,6 +234,7 @@ def _apply_rpc(mp, rpc: Optional[dict[str, Any]]) -> Any:
     return rpc_native.apply_to_params(mp, plan)
 
 
+# long: the timed run stays in one frame, like llama-bench's main loop: nothing between the samples but the decode calls
 def run(req: dict[str, Any]) -> int:
     _fixed_mmap_threshold()
     import numpy as np  # imported before the baseline so it is not counted as the model's

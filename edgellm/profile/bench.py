@@ -31,26 +31,25 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from edgellm.engine import backends, hardware
+from edgellm.engine.gpu import plan_offload
+from edgellm.engine.hardware import SIGNAL_HINTS
 from edgellm.engine.memory import kv_bytes_per_token
+from edgellm.engine.runtime import default_threads
 from edgellm.errors import BackendCrash, Cancelled, RuntimeFailure, UsageError
+from edgellm.gguf.reader import read_gguf, split_set
+from edgellm.models.resolve import resolve
+from edgellm.profile.llama_bench import (
+    _attach_llama_bench,
+)
+from edgellm.profile.results import (
+    machine_id,
+    save_results,
+)
+from edgellm.profile.rows import Bandwidth, BenchRow
 from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
 
 log = logging.getLogger(__name__)
-
-
-from edgellm.profile.llama_bench import (  # noqa: F401
-    _attach_llama_bench,
-    find_llama_bench,
-    find_llama_tool,
-    run_llama_bench,
-)
-from edgellm.profile.results import (  # noqa: F401
-    load_bench_results,
-    machine_id,
-    save_results,
-    write_plot,
-)
-from edgellm.profile.rows import Bandwidth, BenchRow  # noqa: F401
 
 BANDWIDTH_BYTES = 256 << 20
 
@@ -58,6 +57,7 @@ BANDWIDTH_BYTES = 256 << 20
 # -- the benchmark ---------------------------------------------------------------
 
 
+# long: per model: plan, run the child, collect rows, compare with llama-bench, save; one loop a reader follows top to bottom
 def bench(
     paths_or_refs: Sequence[str | Path],
     *,
@@ -79,9 +79,6 @@ def bench(
     cancel: Optional[CancelToken] = None,
 ) -> list[BenchRow]:
     """Benchmark each model (a store name, catalog ref or GGUF path): a pp row and a tg row per model."""
-    from edgellm.engine.runtime import default_threads
-    from edgellm.gguf.reader import read_gguf, split_set
-    from edgellm.models.resolve import resolve
 
     _validate(pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx)
     if not paths_or_refs:
@@ -93,7 +90,6 @@ def bench(
         info = read_gguf(res.path)  # a bad file fails here, before llama.cpp sees it
         label = res.record.name if res.record else res.path.name
         targets.append((label, res.path, info, [str(p) for p in split_set(res.path)]))
-    from edgellm.engine import backends, hardware
 
     # the portable build: choose (and remember) its CPU variant here, self-tested in a child, so the
     # workers below load a variant known to run and spend none of their time on the choice
@@ -150,7 +146,6 @@ def bench(
 
 def _gpu_plan(path: Path, info, request, *, ctx: int, gpu_device: Optional[str], gpu_mem: Optional[int], warn):
     """The same offload plan chat uses (edgellm.engine.gpu); its notes and, when offload was asked for, the plan go to `warn`."""
-    from edgellm.engine.gpu import plan_offload
 
     plan = plan_offload(path, info, request, ctx=ctx, gpu_device=gpu_device, gpu_mem=gpu_mem)
     for note in plan.notes:
@@ -178,7 +173,6 @@ def _validate(*, pp: int, tg: int, repetitions: int, threads: Optional[int], n_c
 
 def _run_worker(req: dict[str, Any], *, label: str, on_event, cancel: Optional[CancelToken]) -> tuple[list[dict], dict]:
     """Run one model in `python -m edgellm.profile._worker`; return its rows and its `done` record."""
-    from edgellm.engine.hardware import SIGNAL_HINTS
 
     env = dict(os.environ)
     pkg_parent = str(Path(__file__).resolve().parents[2])

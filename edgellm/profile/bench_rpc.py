@@ -17,7 +17,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from edgellm.progress import CancelToken, ProgressCallback, no_progress
+from edgellm.engine.rpc import prepare
+from edgellm.engine.runtime import default_threads
+from edgellm.gguf.reader import read_gguf, split_set
+from edgellm.models.resolve import resolve
+from edgellm.profile.bench import _run_worker, _validate
+from edgellm.profile.llama_bench import run_llama_bench
+from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
 
 
 @dataclass
@@ -49,12 +55,6 @@ def bench_rpc(model: str, rpc: str, *, rpc_split: Optional[str] = None, pp: int 
               threads: Optional[int] = None, n_ctx: Optional[int] = None, compare_llama_bench: bool = False,
               on_plan: Callable[[Any], None] = lambda p: None, on_progress: ProgressCallback = no_progress,
               cancel: Optional[CancelToken] = None) -> tuple[Any, list[RpcBenchRow]]:
-    from edgellm.engine.rpc import prepare
-    from edgellm.engine.runtime import default_threads
-    from edgellm.gguf.reader import read_gguf, split_set
-    from edgellm.models.resolve import resolve
-    from edgellm.profile.bench import _run_worker, _validate
-    from edgellm.profile.llama_bench import run_llama_bench
 
     _validate(pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx)
     res = resolve(str(model))
@@ -94,7 +94,6 @@ def bench_rpc(model: str, rpc: str, *, rpc_split: Optional[str] = None, pp: int 
 
 
 def _progress(ev: dict[str, Any], k: int, n_tests: int, reps: int, label: str) -> Any:
-    from edgellm.progress import Progress
 
     first = ev["test"].startswith("pp")
     done = k * n_tests * reps + ev["done"] + (0 if first or n_tests == 1 else reps)

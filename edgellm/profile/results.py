@@ -47,7 +47,6 @@ def _safe(name: str) -> str:
 
 def save_results(model: str, rows: list[BenchRow], *, bandwidth: Optional[Bandwidth] = None) -> Path:
     """Write this model's latest figures on this machine (atomic; one file per model and machine)."""
-    from edgellm.engine.hardware import cpu_model
 
     mid = rows[0].machine_id if rows else machine_id()
     doc = {

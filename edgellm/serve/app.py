@@ -33,8 +33,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from edgellm import __version__
+from edgellm.engine.runtime import KV_BYTES_PER_ELEMENT, GenerationStats, RuntimeOptions
 from edgellm.errors import UsageError
-from edgellm.engine.runtime import GenerationStats
+from edgellm.fsutil import human_size
+from edgellm.serve.metrics import CountStatus, Metrics
 from edgellm.serve.pool import ApiError, Job, ModelPool, client_gone, shutting_down
 from edgellm.serve.requests import _bad, _Models, parse_chat, parse_completion
 
@@ -62,7 +64,6 @@ class ServerConfig:
 def _rpc_options(config: ServerConfig) -> Any:
     if not config.rpc:
         return None
-    from edgellm.engine.runtime import RuntimeOptions
 
     return RuntimeOptions(rpc=config.rpc, rpc_split=config.rpc_split)
 
@@ -149,8 +150,6 @@ def create_app(config: ServerConfig, *, pool: Optional[ModelPool] = None):
     models = _Models(config.default_model)
     from starlette.middleware import Middleware
     from starlette.responses import PlainTextResponse
-
-    from edgellm.serve.metrics import CountStatus, Metrics
 
     pool = pool or ModelPool(max_loaded=config.max_loaded, queue_size=config.queue_size,
                              n_ctx=config.n_ctx, n_threads=config.n_threads, parallel=config.parallel,
@@ -364,9 +363,8 @@ def open_socket(host: str, port: int) -> socket.socket:
 
 def serve(config: ServerConfig, *, on_ready: Callable[[str, Any], None] = lambda url, app: None) -> None:
     """Run until SIGINT/SIGTERM, then refuse new work, cancel in-flight generation and free the models."""
-    import uvicorn
-
     import sse_starlette.sse  # noqa: F401  (hooks uvicorn's exit handler so open streams end on shutdown)
+    import uvicorn
 
     app = create_app(config)
     sock = open_socket(config.host, config.port)
@@ -399,8 +397,6 @@ def serve(config: ServerConfig, *, on_ready: Callable[[str, Any], None] = lambda
 
 def describe(app: Any) -> str:
     """The start banner's second line: what is served, the parallel slots and the KV memory they share."""
-    from edgellm.engine.runtime import KV_BYTES_PER_ELEMENT
-    from edgellm.fsutil import human_size
 
     pool, default = app.state.pool, app.state.models.default
     line = f"{pool.parallel} parallel slots per model"

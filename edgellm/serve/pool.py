@@ -30,11 +30,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
+from edgellm.engine.memory import DEFAULT_CTX
+from edgellm.engine.runtime import (
+    Runtime,
+    RuntimeOptions,
+    SamplingParams,
+    default_threads,
+)
 from edgellm.errors import EdgeLLMError, UsageError
 from edgellm.progress import CancelToken
-from edgellm.engine.runtime import Runtime, RuntimeOptions, SamplingParams
-
-from edgellm.engine.memory import DEFAULT_CTX
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,6 @@ def default_parallel() -> int:
     On a CPU a decode step reads the weights once for the whole batch, so even
     a two-core machine serves four clients with more total tokens/s than one.
     """
-    from edgellm.engine.runtime import default_threads
 
     return max(4, min(8, default_threads()))
 
@@ -284,7 +287,9 @@ class ModelPool:
 
     def _admit(self, slot: _Slot, job: Job) -> None:
         """Seat a job in the engine (loading the model first if needed), or answer it with its error."""
-        from edgellm.engine.batch import Sequence
+        from edgellm.engine.batch import (
+            Sequence,  # lazy: loads jinja2, llama_cpp, numpy
+        )
 
         try:
             if job.cancel.cancelled:  # its client left while it waited: never run it

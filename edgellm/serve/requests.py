@@ -13,8 +13,10 @@ import re
 import time
 from typing import Any, Optional
 
-from edgellm.errors import EdgeLLMError, UsageError
+from edgellm.chat import structured
 from edgellm.engine.runtime import SamplingParams
+from edgellm.errors import EdgeLLMError, UsageError
+from edgellm.models.store import Store
 from edgellm.serve.pool import ApiError, JobRequest, ModelSpec
 
 _SAFE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+:-]{0,160}$")  # store names and catalog refs, never paths
@@ -59,7 +61,6 @@ class _Models:
         return ModelSpec(rec.name, rec.path, rec.context_length)
 
     def listing(self, loaded: list[str]) -> list[dict[str, Any]]:
-        from edgellm.models.store import Store
 
         out = []
         for rec in Store().list():
@@ -132,7 +133,6 @@ def _constraint(body: dict) -> Any:
     kind = rf["type"]
     if kind == "text":
         return None
-    from edgellm.chat import structured
 
     if kind == "json_object":
         from llama_cpp.llama_grammar import JSON_GBNF

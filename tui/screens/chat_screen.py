@@ -18,24 +18,37 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.message import Message
-from textual.widgets import DataTable, Input, Label, Markdown, Static, TabbedContent, TabPane
+from textual.widgets import (
+    DataTable,
+    Input,
+    Label,
+    Markdown,
+    Static,
+    TabbedContent,
+    TabPane,
+)
 
 from edgellm import paths
 from edgellm.chat import history
 from edgellm.chat.session import ChatSession, Conversation
-from edgellm.engine.runtime import GenerationStats, Runtime, RuntimeOptions, SamplingParams
+from edgellm.engine import rpc_native
+from edgellm.engine.runtime import (
+    GenerationStats,
+    Runtime,
+    RuntimeOptions,
+    SamplingParams,
+)
 from edgellm.errors import RuntimeFailure, UsageError
 from edgellm.fsutil import human_size
 from edgellm.models.catalog import load_catalog
 from edgellm.models.resolve import resolve
 from edgellm.models.store import Store
 from edgellm.profile.live import LiveSampler
-
 from tui.modes import SCREENS, key_label
+from tui.screens.base import BaseScreen
 from tui.widgets.chat_settings import ChatSettings
 from tui.widgets.fields import steady_cursors
 from tui.widgets.tables import fill
-from tui.screens.base import BaseScreen
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +216,6 @@ class ChatScreen(BaseScreen):
         """A worker that dies mid-reply: llama.cpp's RPC client would abort the whole process (the
         CLI's one-line exit). Here the core parks the thread that was generating forever instead
         and calls us with the line that names the worker; the app stays up."""
-        from edgellm.engine import rpc_native
 
         if not getattr(self, "_rpc_guarded", False):
             rpc_native.install_abort_handler("park")

@@ -10,19 +10,19 @@ import logging
 
 from rich.table import Table
 from rich.text import Text
-from textual import work
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual import on
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Button, DataTable, Input, Label, Static
 
+from edgellm.engine.gpu import device_lines
 from edgellm.engine.hardware import doctor
+from edgellm.engine.rpc import local_version, parse_endpoints, probe
 from edgellm.errors import ModelNotFound
 from edgellm.fsutil import human_size
 from edgellm.models.catalog import load_catalog
 from edgellm.models.resolve import resolve
-
 from tui.screens.base import BaseScreen, one_line
 from tui.widgets.fields import steady_cursors
 from tui.widgets.tables import fill
@@ -82,7 +82,6 @@ class SystemScreen(BaseScreen):
     @work(thread=True, group="gpu-devices", exclusive=True)
     def _devices(self) -> None:
         # the first device query loads llama.cpp and starts its GPU backends: seconds, so off the UI thread
-        from edgellm.engine.gpu import device_lines
 
         ok, out = self.run_guarded("GPU devices", device_lines)
         self.ui(self.query_one("#gpu-devices", Static).update, "\n".join(out) if ok else f"could not list the devices: {out}")
@@ -97,7 +96,6 @@ class SystemScreen(BaseScreen):
 
     def action_probe(self) -> None:
         """Keep the list for Chat and Bench, then probe each worker in a thread (up to seconds each)."""
-        from edgellm.engine.rpc import parse_endpoints
 
         text = self.query_one("#rpc-workers", Input).value.strip()
         table = self.query_one("#rpc-table", DataTable)
@@ -117,7 +115,6 @@ class SystemScreen(BaseScreen):
 
     @work(thread=True, group="rpc-probe", exclusive=True)
     def _probe(self, eps) -> None:
-        from edgellm.engine.rpc import local_version, probe
 
         try:
             local = local_version()

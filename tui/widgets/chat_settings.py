@@ -13,9 +13,9 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Checkbox, Input, Label, Select
 
+from edgellm.engine.gpu import parse_size
 from edgellm.engine.runtime import RuntimeOptions, SamplingParams
 from edgellm.errors import UsageError
-
 from tui.widgets.fields import set_choices
 
 # key, label, default (str), placeholder; defaults are the core dataclasses' own
@@ -104,7 +104,6 @@ def gpu_layers(text: str, label: str = LABELS["gpu_layers"]) -> Union[int, str]:
 
 
 def gpu_mem(text: str) -> Optional[int]:
-    from edgellm.engine.gpu import parse_size
 
     try:
         return parse_size(text)
