@@ -37,7 +37,19 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from edgellm import paths
 from edgellm.errors import QuantizeError, UsageError
+from edgellm.fsutil import atomic_write_text
+from edgellm.gguf.layout import read_layout
+from edgellm.gguf.reader import read_gguf
+from edgellm.models.resolve import resolve
+from edgellm.models.store import Store
+from edgellm.progress import Progress, no_progress
+from quant._common import base_name
+from quant.imatrix import _GGML, choose_imatrix
+from quant.imatrix_file import model_matmul_widths
+from quant.levels import is_quantized
+from quant.quantize import quantize
 
 # ggml_type ids of the pinned ggml.h, and their block widths
 TYPES: dict[str, tuple[int, int]] = {
@@ -77,8 +89,6 @@ def parse_budget(text: str, info: Any, *, ctx: int = 4096) -> Budget:
 
 
 def _ggml() -> Any:
-    from quant.imatrix import _GGML
-
     lib = _GGML().lib
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
     lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -110,8 +120,6 @@ class Matrix:
 def measure(model_path: Path, imatrix: Any, types: Sequence[str], *, cancel: Any = None,
             on_progress: Any = None) -> tuple[list[Matrix], int]:
     """Every quantizable matrix's (type, bytes, error) options; and the bytes of the tensors kept as they are."""
-    from edgellm.gguf.layout import read_layout
-    from edgellm.progress import Progress
 
     lib = _ggml()
     parsed = read_layout(model_path)
@@ -180,7 +188,6 @@ def check_budget(model_path: Path, info: Any, budget: Budget, exclude: Sequence[
 
 def smallest_bytes(model_path: Path, types: Sequence[str]) -> int:
     """Tensor bytes with every matrix in its cheapest candidate type (the rest as they are)."""
-    from edgellm.gguf.layout import read_layout
 
     lib = _ggml()
     total = 0
@@ -266,7 +273,6 @@ def load_recipe(path: Path | str) -> dict[str, Any]:
 
 def check_recipe(recipe: dict[str, Any], model_path: Path, info: Any, label: str) -> None:
     """A recipe applies to a model of its architecture whose every matrix it names exists and fits the type."""
-    from quant.imatrix_file import model_matmul_widths
 
     if recipe["architecture"] != info.architecture:
         raise QuantizeError(f"the recipe {Path(recipe['file']).name} is for {recipe['architecture']} models; "
@@ -313,15 +319,6 @@ def quantize_to_budget(
     Returns (QuantizeResult, recipe); the recipe carries `search_seconds`
     (measurement and allocation) apart from the result's quantization time.
     """
-    from edgellm import paths
-    from edgellm.fsutil import atomic_write_text
-    from edgellm.gguf.reader import read_gguf
-    from edgellm.models.resolve import resolve
-    from edgellm.models.store import Store
-    from edgellm.progress import no_progress
-    from quant._common import base_name
-    from quant.imatrix import choose_imatrix
-    from quant.quantize import is_quantized, quantize
 
     on_progress = on_progress or no_progress
     if (budget is None) == (recipe_file is None):

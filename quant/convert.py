@@ -25,12 +25,24 @@ from typing import Any, Optional
 
 from edgellm.errors import GGUFError, QuantizeError, UsageError
 from edgellm.fsutil import atomic_path, check_free_disk, sha256_file
-from edgellm.gguf.reader import read_gguf
+from edgellm.gguf.reader import read_gguf, read_layout
 from edgellm.models.resolve import resolve
-from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
 from edgellm.models.store import ModelRecord, Store
-
-from quant._common import FLOAT_LEVELS, check_writable, inherited_lineage, plan_output, register_output, result_json
+from edgellm.progress import (
+    CancelToken,
+    Progress,
+    ProgressCallback,
+    RateMeter,
+    no_progress,
+)
+from quant._common import (
+    FLOAT_LEVELS,
+    check_writable,
+    inherited_lineage,
+    plan_output,
+    register_output,
+    result_json,
+)
 from quant.levels import parse_level
 
 log = logging.getLogger(__name__)
@@ -60,6 +72,7 @@ class ConvertResult:
         return result_json(self)
 
 
+# long: one job read top to bottom: resolve, check disk, dequantize tensor by tensor into a temp file, validate, register
 def convert(
     model_ref_or_path: str | Path,
     to: str = "f16",
@@ -237,8 +250,6 @@ def _read_for_copy(path: Path) -> _Source:
     """
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-
-    from edgellm.gguf.reader import read_layout
 
     layout = read_layout(path)
     kvs = [(k, GGUFValueType(t), v, GGUFValueType(et) if et is not None else None) for k, t, v, et in layout.raw_kvs]

@@ -22,15 +22,19 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from edgellm import paths
-from edgellm.errors import EvalError, UsageError
+from edgellm.engine.hardware import cpu_model
 from edgellm.engine.memory import Shape, kv_bytes_per_token
+from edgellm.errors import EvalError, UsageError
 from edgellm.fsutil import atomic_path, atomic_write_text
 from edgellm.gguf.reader import read_gguf
+from edgellm.models.resolve import derived_name, resolve
+from edgellm.models.store import Store
 from edgellm.plot import pyplot
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
-
 from quant.corpus import load_text
+from quant.imatrix import calibration_warnings
 from quant.kld import DEFAULT_TAIL_SAMPLES, DEFAULT_TOPK, BaseLogProbs, KLDAccumulator
+from quant.levels import parse_level
 from quant.perplexity import (
     DEFAULT_BATCH,
     DEFAULT_CTX,
@@ -127,8 +131,6 @@ def results_folder() -> Path:
 def _machine() -> str:
     import platform
 
-    from edgellm.engine.hardware import cpu_model
-
     return f"{cpu_model()}, {_cores()} cores, {platform.system()}"
 
 
@@ -173,8 +175,6 @@ def lineage_warning(resolved: Any, info: Any, store: Any) -> Optional[str]:
 
 
 def _find_level(base_rec: Any, key: str, store: Any) -> Optional[Any]:
-    from edgellm.models.resolve import derived_name
-
     if base_rec is None:
         return None
     for child in store.children(base_rec.name):
@@ -196,9 +196,6 @@ class _Target:
 def _targets(base: Any, items: Sequence[str], *, threads: Optional[int], store: Any, on_progress: ProgressCallback,
              cancel: Optional[CancelToken]) -> list[_Target]:
     """Each --levels item: a level (found in the store or quantized now) or a model ref/path."""
-    from edgellm.models.resolve import resolve
-
-    from quant.levels import parse_level
 
     out: list[Optional[_Target]] = []
     missing: dict[str, int] = {}
@@ -232,6 +229,7 @@ def _targets(base: Any, items: Sequence[str], *, threads: Optional[int], store: 
     return [t for t in out if t is not None]
 
 
+# long: one evaluation in llama-perplexity's order: base log-probs once, then each level against them; the shared chunk plan and totals stay local
 def evaluate(
     base_ref: str | Path,
     levels: Sequence[str],
@@ -256,8 +254,6 @@ def evaluate(
 
     With `rpc` (HOST:PORT[,...]) every model is split across those llama.cpp RPC workers, each
     planned (and `on_rpc_plan(plan)` told) before it loads."""
-    from edgellm.models.resolve import resolve
-    from edgellm.models.store import Store
 
     store = store or Store()
     if isinstance(levels, str):
@@ -302,7 +298,6 @@ def evaluate(
         if ti.vocab_size and info.vocab_size and ti.vocab_size != info.vocab_size:
             raise EvalError(f"{t.name} has a vocabulary of {ti.vocab_size} tokens, the base {base.label} {info.vocab_size}: "
                             "KL divergence needs the same vocabulary")
-    from quant.imatrix import calibration_warnings
 
     for w in calibration_warnings([t.name for t in targets], src.sha256, store):
         warnings.append(w)

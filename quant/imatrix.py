@@ -42,11 +42,36 @@ from typing import Any, Optional
 import numpy as np
 
 from edgellm import paths
-from edgellm.errors import EvalError, ModelExists, ModelNotFound, QuantizeError, RuntimeFailure, UsageError
-from edgellm.fsutil import atomic_path, atomic_write_text, remove_stale_partials, sha256_file
-from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
+from edgellm.engine import backends, hardware
+from edgellm.engine.runtime import default_threads, silence_native_stderr
+from edgellm.errors import (
+    EvalError,
+    ModelExists,
+    ModelNotFound,
+    QuantizeError,
+    RuntimeFailure,
+    UsageError,
+)
+from edgellm.fsutil import (
+    atomic_path,
+    atomic_write_text,
+    remove_stale_partials,
+    sha256_file,
+)
+from edgellm.gguf.reader import check_tensor_data, read_gguf
+from edgellm.models.resolve import resolve
+from edgellm.models.store import Store, validate_name
+from edgellm.progress import (
+    CancelToken,
+    Progress,
+    ProgressCallback,
+    RateMeter,
+    no_progress,
+)
 from quant._imatrix_collect import _GGML, Collector  # noqa: F401 (quant.budget uses _GGML from here)
-from quant.imatrix_file import IMatrix, encode, read_imatrix
+from quant.corpus import Text, load_text
+from quant.imatrix_file import IMatrix, check_against_model, encode, read_imatrix
+from quant.perplexity import DEFAULT_UBATCH, _Batch, _quiet_llama, plan_chunks, tokenize
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +85,6 @@ CALIBRATION_LABEL = "edgellm-calibration.txt"
 
 def calibration_text() -> Any:
     """The text shipped with the package (quant/data/calibration.txt; see its header for the licence)."""
-    from quant.corpus import Text
 
     data = resources.files("quant").joinpath("data/calibration.txt").read_bytes()
     if data.endswith(b"\n"):  # as llama.cpp's -f reads a file
@@ -121,10 +145,6 @@ def compute_imatrix(
     cancel: Optional[CancelToken] = None,
 ) -> ImatrixRecord:
     """Compute MODEL's importance matrix on `text` (default: the shipped calibration text) and store it."""
-    from edgellm.models.resolve import resolve
-    from edgellm.models.store import Store, validate_name
-    from quant.corpus import load_text
-    from quant.perplexity import plan_chunks
 
     if ctx < 16:
         raise UsageError(f"--ctx {ctx} is too small (at least 16)")
@@ -179,10 +199,6 @@ class _Runner:
 
     def __init__(self, path: Path, *, ctx: int, batch: int, threads: Optional[int],
                  cancel: Optional[CancelToken] = None) -> None:
-        from edgellm.engine.runtime import default_threads, silence_native_stderr
-        from edgellm.gguf.reader import check_tensor_data, read_gguf
-        from quant.perplexity import DEFAULT_UBATCH, _Batch, _quiet_llama
-
         info = read_gguf(path)
         check_tensor_data(path)
         self.architecture = info.architecture
@@ -192,7 +208,6 @@ class _Runner:
         self.n_seq = max(1, batch // ctx)
         self.n_batch = min(batch, self.n_seq * ctx)
         self.collector = Collector(chunk_size=ctx)
-        from edgellm.engine import backends, hardware
 
         backends.ensure(path, tester=hardware.self_test)  # the portable build's CPU variant, before the load
         mp = ll.llama_model_default_params()
@@ -227,8 +242,6 @@ class _Runner:
         self.batch = _Batch(self.n_batch)
 
     def tokenize(self, data: bytes) -> np.ndarray:
-        from quant.perplexity import tokenize
-
         return tokenize(self.ll, self.vocab, data)
 
     def run(self, tokens: np.ndarray, plan: Any, *, on_progress: ProgressCallback, cancel: Optional[CancelToken],
@@ -316,7 +329,6 @@ def choose_imatrix(ref: str, resolved: Any, *, store: Any = None, on_progress: P
     auto: the newest stored matrix made from this very file (same sha256), else
     one computed now on the shipped calibration text and stored.
     """
-    from quant.imatrix_file import check_against_model
 
     label = resolved.label
     record: Optional[ImatrixRecord] = None

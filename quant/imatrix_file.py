@@ -26,6 +26,7 @@ import numpy as np
 
 from edgellm.errors import GGUFError, QuantizeError
 from edgellm.fsutil import unreadable
+from edgellm.gguf.layout import read_layout
 
 ALIGN = 32
 _F32 = 0
@@ -100,7 +101,6 @@ def encode(m: IMatrix) -> bytes:
 
 def read_imatrix(path: Path | str) -> IMatrix:
     """Parse and check an imatrix GGUF. Raises QuantizeError with one line."""
-    from edgellm.gguf.layout import read_layout
 
     path = Path(path)
     what = f"{path.name}: not a usable importance matrix"
@@ -163,7 +163,6 @@ def read_imatrix(path: Path | str) -> IMatrix:
 
 def model_matmul_widths(model_path: Path | str) -> tuple[str, dict[str, tuple[int, int]]]:
     """(architecture, {weight name: (cols, n_mat)}) for every tensor an imatrix can describe."""
-    from edgellm.gguf.layout import read_layout
 
     parsed = read_layout(model_path)
     arch = parsed.fields.get("general.architecture", "")

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from edgellm.engine.memory import DEFAULT_CTX, MemoryEstimate, estimate, shape_from_size
-from edgellm.errors import UsageError
-from edgellm.gguf.reader import gguf_constants
+from edgellm.errors import QuantizeError, UsageError
+from edgellm.gguf.reader import GGUFInfo, gguf_constants
+from quant._common import FLOAT_LEVELS
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,8 @@ def type_bpw(ggml_type: str) -> float:
     return size * 8 / block
 
 
-__all__ = ["Level", "LEVELS", "ALIASES", "FALLBACK", "QK_K", "all_levels", "parse_level", "level_for_ftype", "type_bpw"]
+__all__ = ["Level", "LEVELS", "ALIASES", "FALLBACK", "QK_K", "all_levels", "parse_level", "level_for_ftype", "type_bpw",
+           "level_estimate", "is_quantized", "check_levels", "estimate_size"]
 
 
 def level_estimate(parameters: int, level: str, *, ctx: int = DEFAULT_CTX) -> MemoryEstimate:
@@ -184,3 +186,53 @@ def level_estimate(parameters: int, level: str, *, ctx: int = DEFAULT_CTX) -> Me
         bpw = 5.0  # unknown label: about Q4_K_M/Q5_K_M
     size = int(parameters * bpw / 8)
     return estimate(shape_from_size(size, parameters), ctx=ctx)
+
+
+def is_quantized(info: GGUFInfo) -> bool:
+    """A file whose weights are already quantized (anything beyond F32/F16/BF16)."""
+    if info.level in FLOAT_LEVELS:
+        return False
+    return any(t not in ("F32", "F16", "BF16", "I8", "I16", "I32", "I64", "F64") for t in info.tensor_types)
+
+
+def check_levels(wanted: list[Level], info: GGUFInfo, label: str, *, allow_requantize: bool,
+                 has_imatrix: bool = False) -> list[str]:
+    """Refuse levels this model cannot be quantized to (one line each); the warnings for those it can."""
+    for lv in wanted:
+        if lv.needs_imatrix and not has_imatrix:
+            raise QuantizeError(
+                f"{lv.key} needs an importance matrix (llama.cpp refuses it without one): add --imatrix auto "
+                f"(or a matrix from `edgellm imatrix {label}`)"
+            )
+        if not lv.readable:
+            raise QuantizeError(f"{lv.key} output cannot be validated: the installed gguf-py does not know the {lv.base_type} tensor type")
+        if info.file_type == lv.ftype:
+            raise QuantizeError(f"{label} is already {lv.key}; pick another level")
+    warnings = []
+    if is_quantized(info):
+        if not allow_requantize:
+            raise QuantizeError(
+                f"{label} is already quantized ({info.level}); requantizing compounds the errors. Quantize from an "
+                f"F16/F32 file (`edgellm convert {label} --to f16` first), or pass --allow-requantize"
+            )
+        warnings.append(
+            f"requantizing {label} ({info.level}): the errors compound (the new level's rounding adds to {info.level}'s); "
+            "quantize from F16/F32 when you have it"
+        )
+    return warnings
+
+
+def estimate_size(info: GGUFInfo, lv: Level) -> int:
+    """A generous estimate of the output size, for the disk preflight.
+
+    Fallbacks are assumed everywhere they could happen, and the token
+    embedding (and an output matrix the same size) at up to 8.5 bits/weight:
+    small models like SmolLM2 spend a fifth of their weights there.
+    """
+    meta = max(0, info.size_bytes - info.tensor_bytes)
+    if lv.is_float:
+        return meta + info.parameters * int(lv.bpw) // 8
+    bits = max(lv.bpw, type_bpw(FALLBACK.get(lv.base_type, lv.base_type)))
+    embd = min(info.parameters, 2 * info.embedding_length * info.vocab_size)
+    rest = max(0, info.parameters - embd)
+    return int(meta + embd * max(bits, 8.5) / 8 + rest * bits / 8 * 1.02)

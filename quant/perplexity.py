@@ -30,9 +30,12 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from edgellm.engine import backends, hardware
+from edgellm.engine.runtime import default_threads, silence_native_stderr
 from edgellm.errors import EvalError, RuntimeFailure, UsageError
+from edgellm.gguf.reader import check_tensor_data, read_gguf
+from edgellm.models.resolve import resolve
 from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
-
 from quant.corpus import load_text
 
 log = logging.getLogger(__name__)
@@ -154,16 +157,12 @@ class LogitsRunner:
 
     def __init__(self, path: Path | str, *, n_ctx: int, n_seq: int, n_batch: int, threads: Optional[int] = None,
                  rpc_plan: Any = None) -> None:
-        from edgellm.gguf.reader import check_tensor_data, read_gguf
-        from edgellm.engine.runtime import default_threads, silence_native_stderr
-
         self.path = Path(path)
         self.info = read_gguf(self.path)  # validate before llama.cpp sees the file
         check_tensor_data(self.path)  # NaN/Inf weights would only yield "PPL nan"
         llama_cpp = _quiet_llama()
         self._ll = llama_cpp
         self.threads = threads or default_threads()
-        from edgellm.engine import backends, hardware
 
         backends.ensure(self.path, tester=hardware.self_test)  # the portable build's CPU variant, before the load
         mp = llama_cpp.llama_model_default_params()
@@ -405,7 +404,6 @@ def perplexity(
     rpc_plan: Any = None,
 ) -> PerplexityResult:
     """PPL ± err of `model` (store name, catalog ref or path) on a text, as llama-perplexity reports it."""
-    from edgellm.models.resolve import resolve
 
     src = load_text(text, corpus)
     resolved = resolve(str(model), store=store)

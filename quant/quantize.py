@@ -41,15 +41,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from edgellm.engine.memory import available_ram
+from edgellm.engine.runtime import default_threads
 from edgellm.errors import Cancelled, GGUFError, QuantizeError, UsageError
-from edgellm.fsutil import check_free_disk, fsync_path, human_size, partial_path, sha256_file
+from edgellm.fsutil import (
+    check_free_disk,
+    fsync_path,
+    human_size,
+    partial_path,
+    sha256_file,
+)
 from edgellm.gguf.reader import GGUFInfo, read_gguf
 from edgellm.models.resolve import Resolved, resolve
-from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
 from edgellm.models.store import ModelRecord, Store
-
+from edgellm.progress import (
+    CancelToken,
+    Progress,
+    ProgressCallback,
+    RateMeter,
+    no_progress,
+)
 from quant._common import (
-    FLOAT_LEVELS,
     OutputPlan,
     check_writable,
     inherited_lineage,
@@ -58,7 +70,15 @@ from quant._common import (
     result_json,
 )
 from quant._workers import Job, Run, Worker, llama_failure, parse_log
-from quant.levels import FALLBACK, QK_K, Level, parse_level, type_bpw
+from quant.levels import (
+    QK_K,
+    Level,
+    check_levels,
+    estimate_size,
+    is_quantized,
+    parse_level,
+    type_bpw,
+)
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +216,7 @@ def _quantize_all(
     label = resolved.label
     if info.split_count > 1:
         raise QuantizeError(f"{label} is a split GGUF; merge it first (llama-gguf-split --merge)")
-    warnings = _check_levels(wanted, info, label, allow_requantize=allow_requantize, has_imatrix=imatrix is not None)
+    warnings = check_levels(wanted, info, label, allow_requantize=allow_requantize, has_imatrix=imatrix is not None)
     choice = None
     if imatrix is not None:
         from quant.imatrix import choose_imatrix
@@ -243,7 +263,6 @@ def _fits_side_by_side(info: GGUFInfo, n: int) -> bool:
     The largest is the token embedding in practice (vocab x width), else a
     layer's share of the weights.
     """
-    from edgellm.engine.memory import available_ram
 
     largest = max(info.vocab_size * info.embedding_length, info.parameters // max(1, 4 * info.block_count))
     per_job = largest * (4 + 2 + 2) + (64 << 20)
@@ -251,60 +270,10 @@ def _fits_side_by_side(info: GGUFInfo, n: int) -> bool:
 
 
 def _default_threads() -> int:
-    from edgellm.engine.runtime import default_threads
-
     return default_threads()
 
 
-def is_quantized(info: GGUFInfo) -> bool:
-    """A file whose weights are already quantized (anything beyond F32/F16/BF16)."""
-    if info.level in FLOAT_LEVELS:
-        return False
-    return any(t not in ("F32", "F16", "BF16", "I8", "I16", "I32", "I64", "F64") for t in info.tensor_types)
-
-
-def _check_levels(wanted: list[Level], info: GGUFInfo, label: str, *, allow_requantize: bool,
-                  has_imatrix: bool = False) -> list[str]:
-    for lv in wanted:
-        if lv.needs_imatrix and not has_imatrix:
-            raise QuantizeError(
-                f"{lv.key} needs an importance matrix (llama.cpp refuses it without one): add --imatrix auto "
-                f"(or a matrix from `edgellm imatrix {label}`)"
-            )
-        if not lv.readable:
-            raise QuantizeError(f"{lv.key} output cannot be validated: the installed gguf-py does not know the {lv.base_type} tensor type")
-        if info.file_type == lv.ftype:
-            raise QuantizeError(f"{label} is already {lv.key}; pick another level")
-    warnings = []
-    if is_quantized(info):
-        if not allow_requantize:
-            raise QuantizeError(
-                f"{label} is already quantized ({info.level}); requantizing compounds the errors. Quantize from an "
-                f"F16/F32 file (`edgellm convert {label} --to f16` first), or pass --allow-requantize"
-            )
-        warnings.append(
-            f"requantizing {label} ({info.level}): the errors compound (the new level's rounding adds to {info.level}'s); "
-            "quantize from F16/F32 when you have it"
-        )
-    return warnings
-
-
-def estimate_size(info: GGUFInfo, lv: Level) -> int:
-    """A generous estimate of the output size, for the disk preflight.
-
-    Fallbacks are assumed everywhere they could happen, and the token
-    embedding (and an output matrix the same size) at up to 8.5 bits/weight:
-    small models like SmolLM2 spend a fifth of their weights there.
-    """
-    meta = max(0, info.size_bytes - info.tensor_bytes)
-    if lv.is_float:
-        return meta + info.parameters * int(lv.bpw) // 8
-    bits = max(lv.bpw, type_bpw(FALLBACK.get(lv.base_type, lv.base_type)))
-    embd = min(info.parameters, 2 * info.embedding_length * info.vocab_size)
-    rest = max(0, info.parameters - embd)
-    return int(meta + embd * max(bits, 8.5) / 8 + rest * bits / 8 * 1.02)
-
-
+# long: the scheduler of the side-by-side workers: start, stream progress, cancel and finish in one loop, so the order of events is visible
 def _run_levels(
     resolved: Resolved,
     info: GGUFInfo,
@@ -506,4 +475,4 @@ def describe(result: QuantizeResult) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["QuantizeResult", "quantize", "estimate_size", "is_quantized", "describe"]
+__all__ = ["QuantizeResult", "quantize", "describe"]

@@ -170,7 +170,6 @@ def edgellm_render(facts: ModelFacts, messages: list[dict[str, str]]) -> str:
 
 
 def _pieces_for(facts: ModelFacts) -> RolePieces:
-
     if not facts.chat_template:
         raise UsageError(f"{facts.name} has no chat template to translate for Ollama")
     with ChatTemplate(facts.chat_template, bos_token=facts.bos_text, eos_token=facts.eos_text, model_name=facts.name) as t:
@@ -184,7 +183,6 @@ def _pieces_for(facts: ModelFacts) -> RolePieces:
 
 
 def sampling_defaults() -> dict[str, float]:
-
     s = SamplingParams()
     return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty}
 

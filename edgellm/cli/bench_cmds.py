@@ -84,7 +84,6 @@ def bench_cmd(models, pp, tg, repetitions, threads, n_ctx, no_mmap, gpu_layers, 
 
 
 def _bench_rpc(models, rpc, rpc_split, *, fmt, no_progress, **kw) -> None:
-
     if not rpc:
         raise UsageError("--split needs --rpc")
     if len(models) != 1:
@@ -104,7 +103,6 @@ def _bench_rpc(models, rpc, rpc_split, *, fmt, no_progress, **kw) -> None:
 
 
 def _mb(n) -> str:
-
     return "-" if n is None else human_size(n)
 
 

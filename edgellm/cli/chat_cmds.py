@@ -156,7 +156,6 @@ def chat_cmd(model: Optional[str], prompt: Optional[str], system: Optional[str],
 
 
 def _interactive(session, runtime, kw: dict[str, Any]) -> None:
-
     tty = sys.stdin.isatty()
     if tty:
         _setup_readline()

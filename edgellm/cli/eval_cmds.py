@@ -30,7 +30,6 @@ def _text_options(f):
 
 
 def _check_source(text, corpus) -> None:
-
     if text is None and corpus is None:
         raise UsageError("give --text FILE or --corpus NAME (python-docs is built in)")
     if text is not None and corpus is not None:

@@ -159,7 +159,6 @@ def export_cmd(names, dest: str, as_json: bool, n_ctx, threads, kv_type, rpc) ->
 
 
 def _handoff(target: str, names: list[str], as_json: bool, **kw) -> None:
-
     if target == "ollama":
         if len(names) != 2:
             raise UsageError("usage: edgellm export NAME --to ollama DIR")
@@ -233,7 +232,6 @@ def _report_imported(recs, as_json: bool) -> None:
 
 
 def _import_foreign(tool: str, names: list[str], root, link: bool, name, as_json: bool) -> None:
-
     found = foreign.discover(tool, root)
     if not names:
         if as_json:
@@ -252,7 +250,6 @@ def _import_foreign(tool: str, names: list[str], root, link: bool, name, as_json
 
 
 def _list_foreign(tool: str, found, root) -> None:
-
     where = root or foreign.default_root(tool)
     click.echo(f"{foreign.LABELS[tool]} store ({where}): {len(found)} GGUF model(s)")
     for m in found:

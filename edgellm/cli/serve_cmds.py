@@ -56,7 +56,6 @@ def serve_cmd(model, host, port, api_key, max_loaded, queue_size, n_ctx, paralle
         click.echo(f"warning: {warning}", err=True)
 
     def ready(url: str, app) -> None:
-
         default = app.state.models.default
         click.echo(f"edgellm serve: listening on {url}/v1 (default model: {default.name if default else 'none'}; "
                    f"max loaded {max_loaded}, queue {queue_size}{', API key required' if cfg.api_key else ''})")

@@ -151,7 +151,6 @@ class Runtime:
         on_plan: Optional[Callable[[Any], None]] = None,
         rpc_plan: Any = None,
     ) -> None:
-
         self.path = Path(path)
         self.options = opts = options or RuntimeOptions()
         if opts.kv_type not in KV_TYPES:

@@ -146,7 +146,6 @@ def _catalog_data(name: Optional[str]) -> Optional[dict[str, Any]]:
 
 
 def _version() -> str:
-
     return __version__
 
 

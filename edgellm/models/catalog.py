@@ -101,7 +101,6 @@ def parse_ref(ref: str) -> tuple[str, Optional[str]]:
 
 
 def load_catalog(path: Optional[Path] = None) -> Catalog:
-
     path = path or catalog_path()
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))

@@ -346,7 +346,6 @@ def _download_and_register(store: Store, target: Target, name: str, commit: str,
 
 def _record(store: Store, name: str, finals: list[Path], shas: dict[str, str], total: int, *, source: str,
             target: Target, filenames: list[str]) -> ModelRecord:
-
     info = read_gguf(finals[0])
     for p in finals[1:]:
         # Later shards carry only split.* metadata (no architecture): structure checks only.

@@ -55,7 +55,6 @@ def bench_rpc(model: str, rpc: str, *, rpc_split: Optional[str] = None, pp: int 
               threads: Optional[int] = None, n_ctx: Optional[int] = None, compare_llama_bench: bool = False,
               on_plan: Callable[[Any], None] = lambda p: None, on_progress: ProgressCallback = no_progress,
               cancel: Optional[CancelToken] = None) -> tuple[Any, list[RpcBenchRow]]:
-
     _validate(pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx)
     res = resolve(str(model))
     read_gguf(res.path)
@@ -94,7 +93,6 @@ def bench_rpc(model: str, rpc: str, *, rpc_split: Optional[str] = None, pp: int 
 
 
 def _progress(ev: dict[str, Any], k: int, n_tests: int, reps: int, label: str) -> Any:
-
     first = ev["test"].startswith("pp")
     done = k * n_tests * reps + ev["done"] + (0 if first or n_tests == 1 else reps)
     return Progress("bench", done, 2 * n_tests * reps, "rep", f"{label} {ev['done']}/{ev['total']}")

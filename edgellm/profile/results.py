@@ -37,7 +37,6 @@ def machine_id() -> str:
 
 
 def _results_folder() -> Path:
-
     return results_dir() / "bench"
 
 

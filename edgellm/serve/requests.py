@@ -61,7 +61,6 @@ class _Models:
         return ModelSpec(rec.name, rec.path, rec.context_length)
 
     def listing(self, loaded: list[str]) -> list[dict[str, Any]]:
-
         out = []
         for rec in Store().list():
             out.append(_model_obj(rec.name, int(rec.added), loaded, level=rec.level, size_bytes=rec.size_bytes,

@@ -115,7 +115,6 @@ class SystemScreen(BaseScreen):
 
     @work(thread=True, group="rpc-probe", exclusive=True)
     def _probe(self, eps) -> None:
-
         try:
             local = local_version()
         except Exception as e:

@@ -104,7 +104,6 @@ def gpu_layers(text: str, label: str = LABELS["gpu_layers"]) -> Union[int, str]:
 
 
 def gpu_mem(text: str) -> Optional[int]:
-
     try:
         return parse_size(text)
     except UsageError:
