@@ -77,6 +77,14 @@ def test_system_screen_lists_devices_and_probes_workers(worker):
     assert any("'nohost' is not HOST:PORT" in m for m in errors_in(notices)), notices
 
 
+async def _reply(pilot, scr, what: str) -> None:
+    """Send the typed message and wait until its reply has finished."""
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: scr.generating, 10, "generation to start")
+    await wait_for(pilot, lambda: not scr.generating, 300, what)
+    await pilot.pause(0.2)
+
+
 def test_chat_with_gpu_layers_0_over_a_worker_replies_and_shows_the_plan(worker, default_model):
     from textual.widgets import Checkbox, Input
 
@@ -99,20 +107,14 @@ def test_chat_with_gpu_layers_0_over_a_worker_replies_and_shows_the_plan(worker,
             await pilot.pause(0.2)
             refused = [m for _s, m in app.notices if "GPU layers" in m]
             scr.query_one("#set-gpu_layers", Input).value = "0"
-            await pilot.press("enter")
-            await wait_for(pilot, lambda: scr.generating, 10, "generation to start")
-            await wait_for(pilot, lambda: not scr.generating, 300, "the reply")
-            await pilot.pause(0.2)
+            await _reply(pilot, scr, "the reply")
             plan = "\n".join(str(w.render()) for w in scr.query(".plan"))
             rpc_plan = scr.session.runtime.rpc_plan
             # then on this machine alone with GPU layers auto: a reload, and the GPU plan that ran
             scr.query_one("#set-rpc", Checkbox).value = False
             scr.query_one("#set-gpu_layers", Input).value = "auto"
             await type_text(pilot, "Hi")
-            await pilot.press("enter")
-            await wait_for(pilot, lambda: scr.generating, 10, "generation to start")
-            await wait_for(pilot, lambda: not scr.generating, 300, "the second reply")
-            await pilot.pause(0.2)
+            await _reply(pilot, scr, "the second reply")
             gpu = [str(w.render()) for w in scr.query(".plan")][-1]
             return refused, scr.last_reply, scr.last_stats, plan, rpc_plan, gpu, scr.session.runtime.gpu_plan, app.notices
 
