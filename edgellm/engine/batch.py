@@ -2,12 +2,13 @@
 
 On a CPU each decode step reads every weight once, whether the batch holds
 one token or eight, so decoding the running sequences together raises the
-total tokens/s with the number of clients. `BatchEngine.step()` builds one
-`llama_batch`: the last sampled token of every generating sequence, then the
-remaining room filled with prompt chunks of newcomers (a chunk at most
-`prompt_chunk` tokens per newcomer per step, so a long prompt does not stall
-the others' generation for more than one chunk). After `llama_decode` each
-sequence samples from its own output row with its own sampler chain.
+total tokens/s with the number of clients. `BatchEngine.step()` decodes the
+last sampled token of every generating sequence in one `llama_batch`, then
+each newcomer's next prompt chunk in a decode of its own (at most
+`prompt_chunk` tokens per step while others run, so a long prompt does not
+stall their generation for more than one chunk; kept apart so that a reply
+does not depend on who else was running, see `step`). After each decode the
+sequences sample from their own output rows with their own sampler chains.
 
 Each sequence slot has its own stream of the KV cache (`n_ctx / n_parallel`
 cells, as llama-server's `--parallel`): a sequence's cells then lie in the
@@ -127,7 +128,9 @@ class BatchEngine:
                 n = common_prefix(self.cached[i], prompt)
                 if n > best:
                     src, best = i, n
-        keep = min(best, len(prompt) - 1)  # the last prompt token is decoded again for its logits
+        # The last prompt token is decoded again for its logits, with one more
+        # so that the piece is never a single token (see `step`).
+        keep = max(0, min(best, len(prompt) - 2))
         if src == dst:
             llama_cpp.llama_memory_seq_rm(self.mem, dst, keep, -1)
         else:
@@ -152,53 +155,72 @@ class BatchEngine:
     # -- one decode step ---------------------------------------------------------
 
     def step(self) -> int:
-        """One llama_decode over every active sequence; returns the tokens decoded (0: nothing to do)."""
+        """One decode of the generating sequences, then one per newcomer's prompt chunk; returns the tokens decoded."""
         for s in self.slots:
             if s is not None and s.cancel is not None and s.cancel.cancelled:
                 self._finish(s, "cancelled")
         seqs = [s for s in self.slots if s is not None]
         if not seqs:
             return 0
+        # Batch invariance: llama.cpp's CPU kernels pick their path by how many
+        # tokens of one sequence a ubatch holds (one: a dot product per row;
+        # two or more: the tiled sgemm), and the two round differently. A
+        # newcomer's prompt mixed into the generating tokens gets split by
+        # llama.cpp into one-token pieces, so its cache, and at temperature 0
+        # its reply, would depend on who else was running. Each prompt chunk
+        # therefore gets its own decode, never of a single token unless the
+        # whole prompt is one.
+        n = 0
+        gen = [s for s in seqs if s.last >= 0]
+        if gen:
+            def fill_gen(b: Batch, live: list[Sequence]) -> None:
+                for s in live:
+                    s.out = b.add(s.last, len(self.cached[s.slot]), s.slot, True)
+
+            n += self._decode(gen, fill_gen)
+            now = time.perf_counter()
+            for s in gen:
+                if self.slots[s.slot] is s:
+                    self.cached[s.slot].append(s.last)
+                    self._sample(s, now)
+        for s in seqs:
+            left = len(s.prompt) - s.n_done
+            if left <= 0 or self.slots[s.slot] is not s:
+                continue
+            # Chunks only matter while others generate; alone, a prompt takes the whole batch.
+            k = min(left, self.prompt_chunk if self.active() > 1 else self.batch.capacity)
+            if left - k == 1:
+                k = k - 1 if k > 2 else min(left, self.batch.capacity)
+            start = s.n_done
+
+            def fill(b: Batch, live: list[Sequence], s: Sequence = s, start: int = start, k: int = k) -> None:
+                for j in range(start, start + k):
+                    i = b.add(s.prompt[j], j, s.slot, j == len(s.prompt) - 1)
+                s.out = i if start + k == len(s.prompt) else -1
+
+            n += self._decode([s], fill)
+            if self.slots[s.slot] is not s:
+                continue
+            self.cached[s.slot].extend(s.prompt[start:start + k])
+            s.n_done += k
+            if s.out >= 0:
+                self._sample(s, time.perf_counter())
+        return n
+
+    def _decode(self, seqs: list[Sequence], fill: Callable[[Batch, list[Sequence]], None]) -> int:
+        """Fill and decode the batch for those of `seqs` still running, making room in the KV cache when it is full."""
         b = self.batch
         while True:
+            live = [s for s in seqs if self.slots[s.slot] is s]
+            if not live:
+                return 0
             b.clear()
-            for s in seqs:
-                s.out, s.chunk = -1, 0
-                if s.last >= 0:
-                    s.out = b.add(s.last, len(self.cached[s.slot]), s.slot, True)
-            room = b.capacity - b.n
-            # Chunks only matter while others generate; alone, a prompt takes the whole batch.
-            limit = self.prompt_chunk if b.n else b.capacity
-            for s in seqs:
-                left = len(s.prompt) - s.n_done
-                if left <= 0 or room <= 0:
-                    continue
-                k = s.chunk = min(left, room, limit)
-                for j in range(s.n_done, s.n_done + k):
-                    i = b.add(s.prompt[j], j, s.slot, j == len(s.prompt) - 1)
-                if s.n_done + k == len(s.prompt):
-                    s.out = i
-                room -= k
+            fill(b, live)
             if b.decode(self.ctx) == 0:
-                break
+                return b.n
             # Requests are checked against a stream's size, so this is a safety net only.
             if not self._evict_one():  # no idle cache left to drop: the youngest sequence gives way
-                self._finish(max(seqs, key=lambda s: s.t0), "length")
-                seqs = [s for s in self.slots if s is not None]
-                if not seqs:
-                    return 0
-        n = b.n
-        now = time.perf_counter()
-        for s in seqs:
-            cached = self.cached[s.slot]
-            if s.last >= 0:
-                cached.append(s.last)
-            elif s.chunk:
-                cached.extend(s.prompt[s.n_done:s.n_done + s.chunk])
-                s.n_done += s.chunk
-            if s.out >= 0:
-                self._sample(s, now)
-        return n
+                self._finish(max((s for s in self.slots if s is not None), key=lambda s: s.t0), "length")
 
     def _sample(self, s: Sequence, now: float) -> None:
         tok = s.sampler.sample(self.ctx, s.out)
