@@ -27,7 +27,7 @@ edgellm_cmake_args() {
             args="$args -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2)"
             args="$args -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c) -DGGML_BMI2=$(has bmi2)"
             args="$args -DGGML_AVX_VNNI=$(has avx_vnni)"
-            args="$args -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VBMI=$(has avx512_vbmi)"
+            args="$args -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VBMI=$(has avx512vbmi)"
             args="$args -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16)"
             args="$args -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
             ;;

@@ -24,10 +24,11 @@ from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
-# Features worth reporting, in the spelling llama.cpp's system info uses.
+# Features worth reporting: /proc/cpuinfo's spelling (avx512vbmi has no underscore, avx512_vnni has one)
+# -> the spelling llama.cpp's system info uses.
 _X86_FEATURES = {
     "pni": "SSE3", "ssse3": "SSSE3", "avx": "AVX", "avx2": "AVX2", "f16c": "F16C", "fma": "FMA",
-    "bmi2": "BMI2", "avx_vnni": "AVX_VNNI", "avx512f": "AVX512", "avx512_vbmi": "AVX512_VBMI",
+    "bmi2": "BMI2", "avx_vnni": "AVX_VNNI", "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI",
     "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16", "amx_tile": "AMX_TILE",
     "amx_int8": "AMX_INT8", "amx_bf16": "AMX_BF16",
 }
