@@ -409,9 +409,17 @@ def load_eval_results() -> list[EvalReport]:
 # -- plot ---------------------------------------------------------------------
 
 
-def _is_edgellm_recipe(name: str) -> bool:
+def is_edgellm_recipe(name: str) -> bool:
     """A file made with an importance matrix or a per-tensor recipe (quant/imatrix.py, quant/budget.py names)."""
     return name.endswith("-imat") or "-budget-" in name or "-recipe-" in name
+
+
+def level_tag(report: EvalReport, lv: LevelEval) -> str:
+    """How a level is labelled in the plot, the TUI table and chart: the stock level's name, or for an
+    imatrix/--budget/--recipe file what tells it apart (`q4_k_m-imat`, `budget-100mb`)."""
+    if not is_edgellm_recipe(lv.name):
+        return lv.level
+    return lv.name.split(report.base.rsplit("-", 1)[0] + "-")[-1]
 
 
 def write_plot(report: EvalReport, path: Path | str) -> Path:
@@ -422,8 +430,8 @@ def write_plot(report: EvalReport, path: Path | str) -> Path:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
     # two series on one size axis: llama.cpp's stock levels, and edgellm's imatrix/--budget/--recipe files
-    series = [("llama.cpp levels", "o-", [x for x in report.levels if not _is_edgellm_recipe(x.name)]),
-              ("edgellm imatrix / --budget", "s--", [x for x in report.levels if _is_edgellm_recipe(x.name)])]
+    series = [("llama.cpp levels", "o-", [x for x in report.levels if not is_edgellm_recipe(x.name)]),
+              ("edgellm imatrix / --budget", "s--", [x for x in report.levels if is_edgellm_recipe(x.name)])]
     for label, fmt, group in series:
         lv = sorted(group, key=lambda x: x.size_bytes)
         if not lv:
@@ -436,8 +444,7 @@ def write_plot(report: EvalReport, path: Path | str) -> Path:
         ):
             ax.errorbar(mb, vals, yerr=err, fmt=fmt, capsize=3, label=label)
             for x, y, t in zip(mb, vals, lv):
-                tag = t.level if not _is_edgellm_recipe(t.name) else t.name.split(report.base.rsplit("-", 1)[0] + "-")[-1]
-                ax.annotate(tag, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+                ax.annotate(level_tag(report, t), (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
     import matplotlib.ticker as mticker
 
     for ax, ylabel in ((axes[0], "mean KLD vs base (nats)"), (axes[1], "ΔPPL vs base (%)")):
