@@ -14,7 +14,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, DataTable, Input, Label, Select, Static
 
 from edgellm.fsutil import human_size
-from quant.evaluate import EvalReport, evaluate, load_eval_results
+from quant.evaluate import EvalReport, evaluate, is_edgellm_recipe, level_tag, load_eval_results
 from quant.recommend import Recommendation, recommend
 from quant.corpus import BUILTIN_CORPUS
 
@@ -117,7 +117,7 @@ class EvaluateScreen(BaseScreen):
     def show_results(self, report: EvalReport) -> None:
         self.report = report
         fill(self.query_one("#eval-results", DataTable), [
-            ((lv.level.upper(), human_size(lv.size_bytes), f"{lv.ppl:.3f}", f"{lv.dppl_pct:+.2f}", f"{lv.kld_mean:.4f}",
+            ((level_tag(report, lv).upper(), human_size(lv.size_bytes), f"{lv.ppl:.3f}", f"{lv.dppl_pct:+.2f}", f"{lv.kld_mean:.4f}",
               f"{lv.same_top_p:.1f}", f"{lv.tokens_per_second:.0f}"), None)
             for lv in report.levels
         ])
@@ -127,9 +127,12 @@ class EvaluateScreen(BaseScreen):
 
     def _plot(self) -> None:
         label = "mean KLD" if self.metric == "kld_mean" else "ΔPPL %"
-        levels = self.report.levels if self.report else []
-        pts = [(lv.size_bytes / 1e6, getattr(lv, self.metric), lv.level.upper()) for lv in levels]
-        self.query_one(ScatterPlot).set_points(pts, y_label=label)
+        rep = self.report
+        levels = rep.levels if rep else []
+        pts = [(lv.size_bytes / 1e6, getattr(lv, self.metric), level_tag(rep, lv).upper()) for lv in levels]  # type: ignore[arg-type]
+        # Two series once edgellm's own files are there: the frontier they make against llama.cpp's levels.
+        kinds = ["edgellm" if is_edgellm_recipe(lv.name) else "llama.cpp" for lv in levels]
+        self.query_one(ScatterPlot).set_points(pts, y_label=label, series=kinds if "edgellm" in kinds else None)
 
     def action_toggle_metric(self) -> None:
         self.metric = "dppl_pct" if self.metric == "kld_mean" else "kld_mean"

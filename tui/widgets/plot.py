@@ -1,5 +1,7 @@
 """A small scatter plot drawn with text: size (x) against loss (y), one
-labelled marker per quant level. No dependency; it redraws to its size."""
+labelled marker per quant level, or one marker per series when the points
+are grouped (llama.cpp's stock levels vs edgellm's own files). No
+dependency; it redraws to its size."""
 
 from __future__ import annotations
 
@@ -19,9 +21,13 @@ class ScatterPlot(Widget):
         self.x_label = x_label
         self.y_label = y_label
         self.points: list[tuple[float, float, str]] = []
+        self.series: list[str] = []
 
-    def set_points(self, points: Sequence[tuple[float, float, str]], *, x_label: str | None = None, y_label: str | None = None) -> None:
+    def set_points(self, points: Sequence[tuple[float, float, str]], *, x_label: str | None = None, y_label: str | None = None,
+                   series: Sequence[str] | None = None) -> None:
+        """`series`, one name per point, gives each group its own marker and colour and one legend entry."""
         self.points = [(float(x), float(y), str(lbl)) for x, y, lbl in points]
+        self.series = [str(s) for s in series] if series is not None and len(series) == len(self.points) else []
         if x_label:
             self.x_label = x_label
         if y_label:
@@ -46,15 +52,20 @@ class ScatterPlot(Widget):
         styles = [[""] * pw for _ in range(ph)]
         colors = ["cyan", "magenta", "yellow", "green", "red", "blue"]
         legend = Text()
+        groups = list(dict.fromkeys(self.series))
         for i, (x, y, lbl) in enumerate(self.points):
             cx = round((x - x0) / (x1 - x0) * (pw - 1))
             cy = ph - 1 - round((y - y0) / (y1 - y0) * (ph - 1))
-            m, c = MARKERS[i % len(MARKERS)], colors[i % len(colors)]
+            k = groups.index(self.series[i]) if groups else i
+            m, c = MARKERS[k % len(MARKERS)], colors[k % len(colors)]
             grid[cy][cx], styles[cy][cx] = m, c
             for j, ch in enumerate(lbl[: max(0, pw - cx - 2)]):
                 if grid[cy][cx + 2 + j] == " ":
                     grid[cy][cx + 2 + j], styles[cy][cx + 2 + j] = ch, "dim " + c
-            legend.append(f"{m} {lbl}  ", style=c)
+            if not groups:
+                legend.append(f"{m} {lbl}  ", style=c)
+        for k, g in enumerate(groups):
+            legend.append(f"{MARKERS[k % len(MARKERS)]} {g}  ", style=colors[k % len(colors)])
         out = Text()
         for r in range(ph):
             if r == 0:
