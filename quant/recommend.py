@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from edgellm.engine.memory import DEFAULT_CTX as MEMORY_CTX
-from edgellm.engine.memory import Shape, available_ram, estimate, shape_from_size
+from edgellm.engine.memory import Shape, available_ram, estimate, shape_from_size, weights_room
 from edgellm.errors import EvalError, GGUFError, InsufficientResources, UsageError
 from edgellm.fsutil import human_size
 from edgellm.gguf.reader import read_gguf
@@ -50,11 +50,14 @@ class Recommendation:
     runner_up: Optional[Candidate]
     considered: list[Candidate]
     reason: str
+    # `quantize --budget` when this machine holds a bigger file than every stored level of the base
+    budget_hint: Optional[dict[str, Any]] = None
 
     def to_json(self) -> dict[str, Any]:
         return {"ram_bytes": self.ram_bytes, "ctx": self.ctx, "best": self.best.to_json(),
                 "runner_up": self.runner_up.to_json() if self.runner_up else None,
-                "considered": [c.to_json() for c in self.considered], "reason": self.reason}
+                "considered": [c.to_json() for c in self.considered], "reason": self.reason,
+                "budget_hint": self.budget_hint}
 
 
 def need_bytes(report: EvalReport, lv: LevelEval, ctx: int) -> int:
@@ -124,4 +127,31 @@ def recommend(ram_bytes: Optional[int] = None, ctx: Optional[int] = None) -> Rec
     runner = fitting[1][1] if len(fitting) > 1 else None
     reason = (f"{best.level} is the lowest-loss level of {best.base} that fits: mean KLD {best.kld_mean:.4f}, "
               f"ΔPPL {best.dppl_pct:+.2f}%, needs {human_size(best.need_bytes)} of {human_size(ram)} at ctx {n_ctx}")
-    return Recommendation(ram_bytes=ram, ctx=n_ctx, best=best, runner_up=runner, considered=considered, reason=reason)
+    hint = budget_hint(chosen, best, ram, n_ctx, ram_given=ram_bytes is not None)
+    return Recommendation(ram_bytes=ram, ctx=n_ctx, best=best, runner_up=runner, considered=considered, reason=reason,
+                          budget_hint=hint)
+
+
+def budget_hint(chosen: dict[tuple[str, str], tuple[EvalReport, LevelEval]], best: Candidate, ram: int, ctx: int, *,
+                ram_given: bool) -> Optional[dict[str, Any]]:
+    """Propose `quantize BASE --budget` when the machine holds a file at least 5% bigger than every
+    stored level of the best's base and the float base itself does not fit: a recipe searched for
+    that size spends the spare bytes where they lower the loss most (quant/budget.py)."""
+    reports = [r for (base, _), (r, _) in chosen.items() if base == best.base]
+    if not reports or reports[0].base_level not in ("f16", "bf16", "f32"):
+        return None
+    r = reports[0]
+    try:
+        info = read_gguf(r.base_path, check=False)
+    except (GGUFError, OSError):
+        return None  # the base is gone: nothing to quantize from
+    if estimate(info, ctx=ctx).total_bytes <= ram:
+        return None  # the float base fits as it is
+    room = weights_room(info, ram, ctx=ctx)
+    largest = max(lv.size_bytes for (base, _), (_, lv) in chosen.items() if base == best.base)
+    if room < 1.05 * largest:
+        return None
+    size = "ram" if not ram_given else str(room)
+    return {"command": f"edgellm quantize {r.base} --budget {size}", "budget_bytes": room, "largest_stored_bytes": largest,
+            "reason": f"this machine holds {human_size(room)} of weights at ctx {ctx}, more than {r.base}'s largest "
+                      f"stored level ({human_size(largest)}): a --budget recipe of that size should beat them"}

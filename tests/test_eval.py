@@ -149,6 +149,14 @@ def test_recommend(smol_eval, smol_env):
     assert rec2["best"]["kld_mean"] == pytest.approx(kld[rec2["best"]["level"]], rel=1e-5)
     text = _run(smol_env, "recommend", "--ram", "64", "--ctx", "2048")
     assert text.returncode == 0 and "best:" in text.stdout and "runner-up:" in text.stdout
+    assert rec["budget_hint"] is None and "--budget" not in text.stdout  # the F16 base itself fits in 64 GB
+    # Room for 55 MB more weights than Q8_0 but not for the F16: a --budget recipe of that size is proposed.
+    ram3 = need["q8_0"] + 55_000_000
+    rec3 = json.loads(_run(smol_env, "recommend", "--ram", f"{ram3 / 1e9:.9f}", "--ctx", "2048", "--json").stdout)
+    hint, largest = rec3["budget_hint"], max(c["size_bytes"] for c in rec3["considered"])
+    assert hint and hint["command"] == f"edgellm quantize {r['base']} --budget {hint['budget_bytes']}", rec3
+    assert hint["largest_stored_bytes"] == largest and 1.05 * largest < hint["budget_bytes"] < ram3
+    assert rec2["budget_hint"] is None  # just below Q8_0: no bigger file fits than the stored levels
     small = _run(smol_env, "recommend", "--ram", "0.05")
     assert small.returncode != 0 and small.stderr.strip().startswith("error: ") and "fits" in small.stderr
 

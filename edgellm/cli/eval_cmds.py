@@ -153,3 +153,5 @@ def recommend_cmd(ram, ctx, as_json) -> None:
     if rec.runner_up:
         click.echo(line("runner-up", rec.runner_up))
     click.echo(rec.reason)
+    if rec.budget_hint:
+        click.echo(f"try: {rec.budget_hint['command']}  ({rec.budget_hint['reason']})")

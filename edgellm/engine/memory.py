@@ -139,6 +139,12 @@ def shape_from_size(size_bytes: int, parameters: int) -> Shape:
     return Shape(int(size_bytes), n_layer, n_embd, n_head, max(1, n_head // 4), 128000)
 
 
+def weights_room(shape: ModelShape, ram: int, *, ctx: int = DEFAULT_CTX, kv_type: str = "f16") -> int:
+    """The most weight bytes a model of this shape can have and still fit `ram` at `ctx`: the same
+    estimate as the load guard, solved for the weights (`quantize --budget ram`, `recommend`)."""
+    return max(0, ram - estimate(Shape.of(shape, tensor_bytes=0), ctx=ctx, kv_type=kv_type).total_bytes)
+
+
 def available_ram() -> int:
     override = os.environ.get("EDGELLM_FAKE_AVAILABLE_RAM")
     if override:  # lets tests exercise the guard without a machine that is short of RAM

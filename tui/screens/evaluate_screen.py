@@ -164,4 +164,6 @@ def describe_rec(rec: Recommendation) -> str:
     parts = [best.name, f"KLD {best.kld_mean:.4f}", f"ΔPPL {best.dppl_pct:+.2f}%", human_size(best.size_bytes)]
     if rec.runner_up is not None:
         parts.append(f"(runner-up {rec.runner_up.name})")
+    if rec.budget_hint:
+        parts.append(f"— or try: {rec.budget_hint['command']}")
     return "  ".join(parts)
