@@ -151,7 +151,7 @@ def run_load(url: str, model: str, clients: int, requests: int, max_tokens: int,
 
 
 def compare(args) -> int:
-    """edgellm --parallel P, llama-server --parallel P and edgellm --parallel 1, alternating, `rounds` times."""
+    """edgellm and llama-server, each at --parallel P and --parallel 1, alternating, `rounds` times."""
     sys.path.insert(0, str(ROOT))
     from edgellm.models.resolve import resolve
 
@@ -161,6 +161,8 @@ def compare(args) -> int:
         f"edgellm --parallel {args.parallel}": lambda: start_edgellm(args.model, args.threads, args.clients * args.requests, args.parallel, ctx),
         f"llama-server --parallel {args.parallel}": lambda: start_llama_server(path, args.threads, args.parallel, ctx),
         "edgellm --parallel 1": lambda: start_edgellm(args.model, args.threads, args.clients * args.requests, 1, 1024),
+        # Where batching's ceiling lies on this machine: llama.cpp's own server against itself.
+        "llama-server --parallel 1": lambda: start_llama_server(path, args.threads, 1, 1024),
     }
     runs: dict[str, list[dict]] = {k: [] for k in servers}
     for rnd in range(args.rounds):
@@ -178,13 +180,14 @@ def compare(args) -> int:
     keys = ("tokens_per_second", "latency_p50_s", "latency_p95_s", "ttft_p50_s", "ttft_p95_s")
     med = {name: {k: statistics.median(r[k] for r in rs) for k in keys} | {
         "answered": sum(r["answered"] for r in rs), "failed": sum(r["failed"] for r in rs)} for name, rs in runs.items()}
-    ours, theirs, one = (med[k] for k in servers)
+    ours, theirs, one, their_one = (med[k] for k in servers)
     report = {"model": args.model, "clients": args.clients, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
               "threads": args.threads, "ctx": ctx, "rounds": args.rounds, "medians": med,
               "tokens_per_second_vs_llama_server": round(ours["tokens_per_second"] / theirs["tokens_per_second"], 3),
               "p50_latency_vs_llama_server": round(ours["latency_p50_s"] / theirs["latency_p50_s"], 3),
               "ttft_p50_vs_llama_server": round(ours["ttft_p50_s"] / theirs["ttft_p50_s"], 3),
               "tokens_per_second_vs_parallel_1": round(ours["tokens_per_second"] / one["tokens_per_second"], 3),
+              "llama_server_tokens_per_second_vs_its_parallel_1": round(theirs["tokens_per_second"] / their_one["tokens_per_second"], 3),
               "cpu_count": os.cpu_count(), "runs": runs}
     if args.json:
         print(json.dumps(report, indent=2))
@@ -196,7 +199,8 @@ def compare(args) -> int:
                   f"{m['latency_p95_s']:7.2f} {m['ttft_p50_s']:7.2f} {m['ttft_p95_s']:7.2f}")
         print(f"edgellm / llama-server: tokens/s {report['tokens_per_second_vs_llama_server']}x, "
               f"p50 latency {report['p50_latency_vs_llama_server']}x, ttft {report['ttft_p50_vs_llama_server']}x; "
-              f"edgellm --parallel {args.parallel} / --parallel 1: tokens/s {report['tokens_per_second_vs_parallel_1']}x")
+              f"edgellm --parallel {args.parallel} / --parallel 1: tokens/s {report['tokens_per_second_vs_parallel_1']}x; "
+              f"llama-server --parallel {args.parallel} / --parallel 1: {report['llama_server_tokens_per_second_vs_its_parallel_1']}x")
     return 0 if all(m["failed"] == 0 for m in med.values()) else 1
 
 
@@ -234,7 +238,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="threads of every server it starts")
     ap.add_argument("--parallel", type=int, default=8, help="--parallel of the servers it starts")
     ap.add_argument("--ctx", type=int, default=None, help="KV cells per server [default: 1024 per slot]")
-    ap.add_argument("--compare", action="store_true", help="edgellm vs llama-server vs edgellm --parallel 1, alternating")
+    ap.add_argument("--compare", action="store_true", help="edgellm and llama-server, each at --parallel P and 1, alternating")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mixed", type=int, default=0, metavar="N", help="N mixed valid/bad requests and the RSS check")
     ap.add_argument("--deadline", type=float, default=900.0, help="give up a round after this many seconds")
