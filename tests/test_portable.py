@@ -93,6 +93,20 @@ def test_chosen_variant_is_the_cpus_best_enabled_level(portable_python, default_
     assert f"cpu backend       {want} (remembered)" in again.stdout, again.stdout
 
 
+def test_the_device_registry_sees_the_loaded_variant(portable_python, tmp_path):
+    """The GPU plan and doctor ask ggml's registry; before the backends are loaded, or through a second
+    copy of libggml, it is empty and every device query says "none"."""
+    code = ("from edgellm.engine import gpu; lib = gpu._ggml(); "
+            "print(lib.ggml_backend_dev_count(), [lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)).decode() "
+            "for i in range(lib.ggml_backend_reg_count())])")
+    env = {k: v for k, v in os.environ.items() if k not in (backends.FORCE_ENV, backends.BREAK_ENV, "GGML_BACKEND_PATH")}
+    proc = subprocess.run([str(portable_python), "-c", code], env={**env, "EDGELLM_CACHE": str(tmp_path / "cache")},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    n_dev, regs = proc.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert int(n_dev) >= 1 and "CPU" in regs and "RPC" in regs, proc.stdout
+
+
 def test_the_break_switch_kills_a_process_that_loads_the_variant(portable_python, default_gguf, tmp_path):
     """The switch is a real crash: forced onto the broken variant, chat dies with SIGILL."""
     want = best_enabled_variant(list(backends.VARIANT_FEATURES))

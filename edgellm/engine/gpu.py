@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from edgellm.engine import backends
 from edgellm.engine.memory import estimate
 from edgellm.errors import UsageError
 from edgellm.fsutil import human_size
@@ -81,8 +82,14 @@ def _ggml() -> Optional[ctypes.CDLL]:
     """The ggml library llama_cpp loaded (its dependency tree has the device registry)."""
     import llama_cpp
 
+    # A portable build registers its backends (the CPU variant, Vulkan...) only when loaded; asked
+    # before that, ggml's registry is empty and would stay so. A no-op for a host-flags build.
+    backends.ensure()
+
     libdir = Path(llama_cpp.__file__).parent / "lib"
-    for name in ("libggml.so", "libggml.dylib", "ggml.dll"):
+    # By soname first: the copy libllama loaded. A wheel may also hold a plain libggml.so that is a
+    # separate file, whose registry (empty) is not the one the backends were loaded into.
+    for name in ("libggml.so.0", "libggml.so", "libggml.dylib", "ggml.dll"):
         if (libdir / name).exists():
             lib = ctypes.CDLL(str(libdir / name))
             break
