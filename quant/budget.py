@@ -12,6 +12,13 @@ The tied/untied output matrix, which no imatrix entry covers, is weighted
 with the mean importance of the layers' attention inputs (its own input is the
 same normed hidden state).
 
+That proxy ranks matrices of one kind at one depth, but not kinds or depths
+against each other (a unit of error in the first layers' attn_v moves the
+logits ~100x more than one in the last layers' attn_output). So each
+matrix's error is multiplied by its group's gain (kind x third of the
+layers), measured by quant/sensitivity.py as KL divergence per unit of proxy
+error on the calibration text, and cached per model and matrix.
+
 The choice: start every matrix at its cheapest candidate, then repeatedly
 give the byte to the upgrade with the best error saved per byte (along each
 matrix's lower convex hull) until the next one would pass the budget. Sizes
@@ -240,11 +247,30 @@ def allocate(mats: list[Matrix], limit: int) -> tuple[dict[str, str], int]:
 
 
 def plan(model_path: Path, info: Any, imatrix: Any, budget: Budget, *, exclude: Sequence[str] = (),
-         cancel: Any = None, on_progress: Any = None) -> dict[str, Any]:
-    """The recipe for `budget`: measured, allocated, with its exact predicted size and the search cost."""
+         cancel: Any = None, on_progress: Any = None, imatrix_path: Optional[Path] = None,
+         model_sha256: Optional[str] = None, imatrix_sha256: Optional[str] = None,
+         threads: Optional[int] = None) -> dict[str, Any]:
+    """The recipe for `budget`: measured, allocated, with its exact predicted size and the search cost.
+
+    With `imatrix_path`, each matrix's error is scaled by its group's gain measured on the calibration
+    text (quant/sensitivity.py); without, the proxy errors count as they are."""
     t0 = time.perf_counter()
     types, excl, overhead, smallest = check_budget(model_path, info, budget, exclude)
     mats, kept = measure(model_path, imatrix, types, cancel=cancel, on_progress=on_progress)
+    gains: dict[str, float] = {}
+    calibration: dict[str, Any] = {}
+    if imatrix_path is not None:
+        from edgellm.fsutil import sha256_file
+        from quant import sensitivity
+
+        gains, calibration = sensitivity.measure_gains(
+            model_path, imatrix_path, mats, types, type_ids={k: v[0] for k, v in TYPES.items()},
+            model_sha256=model_sha256 or sha256_file(model_path),
+            imatrix_sha256=imatrix_sha256 or sha256_file(imatrix_path), n_layers=info.block_count, threads=threads,
+            cancel=cancel, on_progress=on_progress)
+        mats = [Matrix(m.name, m.rows, m.cols,
+                       [(t, b, e * gains[sensitivity.group_of(m.name, info.block_count)]) for t, b, e in m.options])
+                for m in mats]
     choice, used = allocate(mats, budget.bytes - overhead - kept)
     recipe = [(f"^{re.escape(m.name)}$", choice[m.name]) for m in mats]
     return {
@@ -252,7 +278,10 @@ def plan(model_path: Path, info: Any, imatrix: Any, budget: Budget, *, exclude: 
         "budget": budget.to_json(), "excluded_types": sorted(excl), "predicted_bytes": overhead + kept + used,
         "smallest_bytes": smallest, "tensor_types": recipe,
         "type_counts": {t: sum(1 for v in choice.values() if v == t) for t in sorted(set(choice.values()))},
-        "search_seconds": round(time.perf_counter() - t0, 3), "measure": "imatrix-weighted squared error",
+        "search_seconds": round(time.perf_counter() - t0, 3),
+        "measure": "imatrix-weighted squared error" + (" x KLD per unit error of its group, measured on the "
+                                                       "calibration text" if gains else ""),
+        "group_gains": {g: float(f"{v:.6g}") for g, v in gains.items()}, "calibration": calibration,
     }
 
 
@@ -342,7 +371,9 @@ def quantize_to_budget(
         check_budget(resolved.path, info, b, exclude)
         # an imatrix first: the search measures with it and the quantization uses it
         choice_early = choose_imatrix(imatrix or "auto", resolved, store=store, on_progress=on_progress, cancel=cancel)
-        recipe = plan(resolved.path, info, choice_early.matrix, b, exclude=exclude, cancel=cancel, on_progress=on_progress)
+        recipe = plan(resolved.path, info, choice_early.matrix, b, exclude=exclude, cancel=cancel, on_progress=on_progress,
+                      imatrix_path=choice_early.path, imatrix_sha256=choice_early.sha256, threads=threads,
+                      model_sha256=resolved.record.sha256 if resolved.record is not None else None)
         recipe.update(model=resolved.label, imatrix=choice_early.lineage())
         label = "budget-" + re.sub(r"[^a-z0-9.]", "", (budget or "").lower())
         folder = paths.home() / "recipes"

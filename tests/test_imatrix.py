@@ -333,6 +333,7 @@ def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(cli, f16_mo
     assert recipe["architecture"] == "llama" and recipe["excluded_types"] == ["Q4_1"]
     assert len(recipe["tensor_types"]) == 211 and recipe["predicted_bytes"] >= out["size_bytes"]
     assert recipe["imatrix"]["sha256"] == _sha(session_imatrix)
+    _check_measured_gains(recipe, f16_path, session_imatrix)
     shown = cli("inspect", out["name"], "--json").json()
     assert shown["recipe"]["file"] == out["recipe_file"]
     # the saved recipe, with the same matrix, gives the same bytes ...
@@ -347,6 +348,88 @@ def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(cli, f16_mo
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-1500:]
     assert _sha(ref) == out["sha256"]
+
+
+def _check_measured_gains(recipe: dict, f16_path: Path, imatrix: Path) -> None:
+    """The recipe's group gains were measured on the shipped calibration text, differ as measured, and are cached."""
+    from quant import sensitivity
+    from quant.budget import TYPES
+    from quant.imatrix import calibration_text
+
+    cal, gains = recipe["calibration"], recipe["group_gains"]
+    assert cal["cached"] is False and 0 < cal["seconds"] < recipe["search_seconds"]
+    assert cal["text_sha256"] == calibration_text().sha256  # the imatrix's text, never an evaluation text
+    # 7 kinds x 3 thirds of the 30 layers, and the tied embedding/output matrix
+    assert len(gains) == 22 and set(cal["groups"]) == set(gains)
+    assert all(g["kld"] > 0 and g["error"] > 0 for g in cal["groups"].values())
+    # per unit of proxy error, the first layers' attn_v moves the logits >10x more than the last layers' attn_output
+    # (measured 3.1e-3 vs 2.2e-5 with the full matrix): the proxy alone cannot rank the two
+    assert gains["attn_v/0"] > 10 * gains["attn_output/2"]
+    types = [t for t in TYPES if t not in recipe["excluded_types"]]
+    t0 = time.perf_counter()
+    again, info = sensitivity.measure_gains(f16_path, imatrix, [], types, type_ids={}, model_sha256=_sha(f16_path),
+                                            imatrix_sha256=_sha(imatrix), n_layers=30)
+    assert info["cached"] is True and time.perf_counter() - t0 < 1.0
+    assert {g: float(f"{v:.6g}") for g, v in again.items()} == gains
+    assert not list(sensitivity._root().glob("probe-*"))  # the probe files went with the search
+
+
+def test_sensitivity_probes_report_progress_cancel_cleanly_and_clear_a_killed_searchs_folder(f16_path, session_imatrix,
+                                                                                            edgellm_home):
+    from edgellm.errors import Cancelled
+    from edgellm.progress import CancelToken
+    from quant import sensitivity
+    from quant.budget import Matrix
+
+    stale = sensitivity._root() / "probe-999999999"  # above pid_max: its search was killed
+    stale.mkdir(parents=True)
+    (stale / "base.gguf").write_bytes(b"left by kill -9")
+    token, seen = CancelToken(), []
+
+    def on_progress(p) -> None:
+        seen.append((p.task, p.done, p.total, p.message))
+        if p.done == 1:
+            token.cancel()
+
+    # two real matrices with made-up proxy errors: the probes only need names the file has
+    mats = [Matrix(f"blk.{i}.attn_v.weight", 192, 576, [("Q4_0", 62208, 1.0), ("Q8_0", 117504, 0.1)]) for i in (0, 29)]
+    with pytest.raises(Cancelled):
+        sensitivity.measure_gains(f16_path, session_imatrix, mats, ["Q4_0", "Q8_0"], type_ids={"Q4_0": 2, "Q8_0": 8},
+                                  model_sha256="m", imatrix_sha256="i",
+                                  n_layers=30, threads=2, cancel=token, on_progress=on_progress)
+    assert [s[1:] for s in seen] == [(0, 3, "all Q8_0"), (1, 3, "attn_v/0")]
+    assert "calibration text" in seen[0][0]
+    assert not list(sensitivity._root().iterdir())  # no probe folder (neither its own nor the stale one), no cache
+
+
+def test_probe_file_is_the_base_with_the_groups_tensors_swapped(tmp_path):
+    """sensitivity.assemble: a probe file as llama.cpp would write it, from two quantized files."""
+    from support.gguf_files import write_tiny_llama
+
+    from edgellm.gguf.layout import read_layout
+    from quant.sensitivity import assemble
+
+    base = write_tiny_llama(tmp_path / "base.gguf")
+    alt = write_tiny_llama(tmp_path / "alt.gguf", dtype="f32", seed=1)  # other types, other sizes, other values
+    same = tmp_path / "same.gguf"
+    assemble(base, alt, set(), same)
+    assert same.read_bytes() == base.read_bytes()
+    lb, la = read_layout(base), read_layout(alt)
+    take = {t.name for t in lb.tensors if t.name.startswith("blk.1.") and t.type_name == "F16"}  # F32 in alt
+    assert take
+    probe = tmp_path / "probe.gguf"
+    assemble(base, alt, take, probe)
+    lp = read_layout(probe)
+    assert lp.fields == lb.fields and [t.name for t in lp.tensors] == [t.name for t in lb.tensors]
+    raw = {p: p.read_bytes() for p in (base, alt, probe)}
+    src = {t.name: (alt, t) for t in la.tensors if t.name in take} | {t.name: (base, t) for t in lb.tensors if t.name not in take}
+    for t in lp.tensors:
+        f, s = src[t.name]
+        assert (t.type_id, t.shape) == (s.type_id, s.shape)
+        assert raw[probe][t.data_offset:t.data_offset + t.n_bytes] == raw[f][s.data_offset:s.data_offset + s.n_bytes]
+    from edgellm.gguf.reader import read_gguf
+
+    assert read_gguf(probe).tensor_count == len(lb.tensors)  # the validator accepts it
 
 
 def test_recipe_for_another_architecture_or_layout_is_refused(cli, f16_model, edgellm_home, tmp_path):
