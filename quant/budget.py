@@ -46,12 +46,13 @@ import numpy as np
 
 from edgellm import paths
 from edgellm.errors import QuantizeError, UsageError
-from edgellm.fsutil import atomic_write_text
+from edgellm.fsutil import atomic_write_text, sha256_file
 from edgellm.gguf.layout import read_layout
 from edgellm.gguf.reader import read_gguf
 from edgellm.models.resolve import resolve
 from edgellm.models.store import Store
 from edgellm.progress import Progress, no_progress
+from quant import sensitivity
 from quant._common import base_name
 from quant.imatrix import _GGML, choose_imatrix
 from quant.imatrix_file import model_matmul_widths
@@ -260,9 +261,6 @@ def plan(model_path: Path, info: Any, imatrix: Any, budget: Budget, *, exclude: 
     gains: dict[str, float] = {}
     calibration: dict[str, Any] = {}
     if imatrix_path is not None:
-        from edgellm.fsutil import sha256_file
-        from quant import sensitivity
-
         gains, calibration = sensitivity.measure_gains(
             model_path, imatrix_path, mats, types, type_ids={k: v[0] for k, v in TYPES.items()},
             model_sha256=model_sha256 or sha256_file(model_path),
