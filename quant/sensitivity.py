@@ -47,6 +47,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from edgellm import paths
+from edgellm.engine.runtime import default_threads
 from edgellm.errors import Cancelled, QuantizeError
 from edgellm.fsutil import atomic_write_text
 from edgellm.gguf.layout import read_layout
@@ -223,7 +224,7 @@ def measure_gains(model_path: Path, imatrix_path: Path, mats: Sequence[Any], typ
     groups: dict[str, list[Any]] = {}
     for m in mats:
         groups.setdefault(group_of(m.name, n_layers), []).append(m)
-    threads = threads or 2
+    threads = threads or default_threads()  # as quantize and eval choose them
     text = calibration_text()
     task = "measure group sensitivity on the calibration text"
     probe_file = work / "probe.gguf"
