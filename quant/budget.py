@@ -45,6 +45,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from edgellm import paths
+from edgellm.engine.memory import DEFAULT_CTX, available_ram, weights_room
 from edgellm.errors import QuantizeError, UsageError
 from edgellm.fsutil import atomic_write_text, sha256_file
 from edgellm.gguf.layout import read_layout
@@ -78,16 +79,13 @@ class Budget:
         return {"bytes": self.bytes, "text": self.text}
 
 
-def parse_budget(text: str, info: Any, *, ctx: int = 4096) -> Budget:
+def parse_budget(text: str, info: Any, *, ctx: int = DEFAULT_CTX) -> Budget:
     """`100MB`, `95.5MiB`, `4.5bpw` (bits per weight over the whole file), or `ram` (what this machine
-    can hold beside a `ctx`-token KV cache and 512 MiB for the runtime)."""
+    can hold beside a `ctx`-token KV cache, compute buffers and the process: edgellm.engine.memory's estimate)."""
     t = text.strip().lower().replace(" ", "")
     if t == "ram":
-        import psutil
-
-        kv_dim = info.embedding_length // max(1, info.head_count) * max(1, info.head_count_kv or info.head_count)
-        kv = 2 * info.block_count * kv_dim * 2 * min(ctx, info.context_length or ctx)
-        n = int(psutil.virtual_memory().available - kv - (512 << 20))
+        # The load guard's own estimate solved for the weights: the file it makes is one the guard lets load.
+        n = weights_room(info, available_ram(), ctx=ctx)
         return Budget(n, f"ram ({n / 1e6:.1f} MB free for weights beside a {ctx}-token KV cache)")
     if m := re.fullmatch(r"(\d+(?:\.\d+)?)bpw", t):
         return Budget(int(float(m.group(1)) * info.parameters / 8), text)
