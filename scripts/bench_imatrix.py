@@ -13,13 +13,14 @@ calibration text), ctx 512, --chunks (>= 40):
    sha256 of the outputs (goal: equal) at every level below;
 3. mean KLD without vs with the matrix at Q2_K, Q3_K_M, IQ4_XS, Q4_K_M;
 4. --budget at each stock level's file size (Q2_K, Q3_K_M, Q4_0, Q4_K_M):
-   size and mean KLD, all types allowed and with q4_1 excluded, as a ratio
+   size and mean KLD, all types allowed and with q4_1,q5_1 excluded, as a ratio
    to `llama-quantize --imatrix` at that level with the same matrix (goal
    <= 0.8), with the search's cost apart from the quantization's;
 5. --recipe speed: `quantize --recipe` vs `llama-quantize --tensor-type-file`
    with the same per-tensor types and threads, median of --runs (goal <= 1.03).
 
     .venv/bin/python scripts/bench_imatrix.py --chunks 40 --threads 2 --json figures.json
+    .venv/bin/python scripts/bench_imatrix.py --only-speed --threads 2 --runs 5    # part 5 alone, minutes
 
 Needs llama.cpp's tools (scripts/build_llama_tools.sh, or $EDGELLM_LLAMA_TOOLS)
 and ../shared/data/wikitext-2-raw (or $EDGELLM_CORPUS_DIR). Long: an hour or
@@ -78,6 +79,25 @@ def kld(env: dict, base: str, names: list[str], args) -> dict[str, dict]:
     return {lv["name"]: lv for lv in rep["levels"]}
 
 
+def recipe_speed(env: dict, base: str, f16_path: str, recipe: str, tools: Path, work: Path, args) -> dict:
+    """`quantize --recipe` vs `llama-quantize --tensor-type-file` with the same types and threads, alternating."""
+    t = str(args.threads)
+    mine_s, ref_s = [], []
+    for i in range(args.runs):
+        for which in ([0, 1] if i % 2 == 0 else [1, 0]):
+            t0 = time.perf_counter()
+            if which == 0:
+                edgellm(env, "quantize", base, "--recipe", recipe, "--threads", t, "--force", "--no-progress")
+                mine_s.append(time.perf_counter() - t0)
+            else:
+                sh([tools / "llama-quantize", "--tensor-type-file", Path(recipe).with_suffix(".txt"), f16_path,
+                    work / "ref-recipe.gguf", "Q4_K_M", t], env)
+                ref_s.append(time.perf_counter() - t0)
+    return {"edgellm_s": statistics.median(mine_s), "llama_quantize_s": statistics.median(ref_s),
+            "ratio": statistics.median(mine_s) / statistics.median(ref_s), "runs": args.runs,
+            "edgellm_runs_s": mine_s, "llama_quantize_runs_s": ref_s}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=40, help="WikiText-2 chunks of 512 for KLD (>= 40)")
@@ -85,6 +105,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--runs", type=int, default=3, help="timed runs for the --recipe speed ratio")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here too")
+    ap.add_argument("--only-speed", action="store_true",
+                    help="only part 5 (its recipe from one --budget search at Q4_K_M's size): minutes, not an hour")
     args = ap.parse_args()
     tools = tools_dir()
     work = Path(tempfile.mkdtemp(prefix="bench-imatrix-"))
@@ -95,6 +117,15 @@ def main() -> int:
     edgellm(env, "pull", "smollm2-135m-instruct", "--json", "--no-progress")
     f16 = edgellm(env, "convert", "smollm2-135m-instruct", "--to", "f16", "--json", "--no-progress")
     base, f16_path = f16["name"], f16["path"]
+    if args.only_speed:
+        size = edgellm(env, "quantize", base, "-l", "q4_k_m", "--threads", t, "--json", "--no-progress")[0]["size_bytes"]
+        r = edgellm(env, "quantize", base, "--budget", str(size), "--exclude-types", "q4_1,q5_1", "--threads", t, "--json",
+                    "--no-progress")[0]
+        fig["recipe_speed"] = recipe_speed(env, base, f16_path, r["recipe_file"], tools, work, args)
+        print(json.dumps(fig, indent=1, default=str))
+        if args.json:
+            args.json.write_text(json.dumps(fig, indent=1, default=str))
+        return 0
 
     # 1. the matrix, both ways
     im_args = ["--chunks", str(args.imatrix_chunks)] if args.imatrix_chunks else []
@@ -133,7 +164,7 @@ def main() -> int:
     budgets = {}
     for lv in BUDGET_LEVELS:
         size = stock[lv]["size_bytes"]
-        for excl in ("", "q4_1"):
+        for excl in ("", "q4_1,q5_1"):  # q5_1's grid holds q4_1's: both go for the fair figure
             r = edgellm(env, "quantize", base, "--budget", str(size), "--imatrix", imat, "--threads", t, "--json",
                         "--no-progress", "--force", *(["--exclude-types", excl] if excl else []))[0]
             # the two runs share a name (budget-<bytes>): keep the first under another name by evaluating it now
@@ -144,26 +175,11 @@ def main() -> int:
     k = kld(env, base, names, args)
     fig["kld"] = {lv: {"stock": k[stock[lv]["name"]]["kld_mean"], "imatrix": k[withm[lv]["name"]]["kld_mean"],
                        "size_stock": stock[lv]["size_bytes"]} for lv in levels}
-    fig["budget"] = {f"{lv}{'-no-' + excl if excl else ''}": {**v, "ratio_vs_imatrix_level": v["kld"] / fig["kld"][lv]["imatrix"]}
+    fig["budget"] = {f"{lv}{'-no-' + excl.replace(',', '-') if excl else ''}": {**v, "ratio_vs_imatrix_level": v["kld"] / fig["kld"][lv]["imatrix"]}
                      for (lv, excl), v in budgets.items()}
 
     # 5. --recipe speed vs llama-quantize --tensor-type-file (same types, same threads, no imatrix on either side)
-    recipe = budgets[("q4_k_m", "q4_1")]["recipe_file"]
-    mine_s, ref_s = [], []
-    for i in range(args.runs):
-        order = [0, 1] if i % 2 == 0 else [1, 0]
-        for which in order:
-            if which == 0:
-                t0 = time.perf_counter()
-                edgellm(env, "quantize", base, "--recipe", recipe, "--threads", t, "--force", "--no-progress")
-                mine_s.append(time.perf_counter() - t0)
-            else:
-                t0 = time.perf_counter()
-                sh([tools / "llama-quantize", "--tensor-type-file", Path(recipe).with_suffix(".txt"), f16_path,
-                    work / "ref-recipe.gguf", "Q4_K_M", t], env)
-                ref_s.append(time.perf_counter() - t0)
-    fig["recipe_speed"] = {"edgellm_s": statistics.median(mine_s), "llama_quantize_s": statistics.median(ref_s),
-                           "ratio": statistics.median(mine_s) / statistics.median(ref_s)}
+    fig["recipe_speed"] = recipe_speed(env, base, f16_path, budgets[("q4_k_m", "q4_1,q5_1")]["recipe_file"], tools, work, args)
 
     print(json.dumps(fig, indent=1, default=str))
     if args.json:
