@@ -87,6 +87,7 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
     """
     import os
     import socket
+    import signal
     import sys
     import threading
     from pathlib import Path
@@ -131,6 +132,14 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
     if not _is_loopback(ip):
         click.echo(f"warning: {SECURITY}", err=True)
     click.echo("Ctrl-C to stop", err=True)
+
+    def stop(_signum, _frame):
+        raise KeyboardInterrupt
+
+    # Ctrl-C, and SIGTERM from a supervisor (systemd, docker stop), stop it the same way, set
+    # explicitly: a worker started in the background of a script inherits SIGINT ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
     try:
         while t.is_alive():
             t.join(0.5)
