@@ -87,7 +87,6 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
     """
     import os
     import socket
-    import signal
     import sys
     import threading
     from pathlib import Path
@@ -132,14 +131,7 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
     if not _is_loopback(ip):
         click.echo(f"warning: {SECURITY}", err=True)
     click.echo("Ctrl-C to stop", err=True)
-
-    def stop(_signum, _frame):
-        raise KeyboardInterrupt
-
-    # Ctrl-C, and SIGTERM from a supervisor (systemd, docker stop), stop it the same way, set
-    # explicitly: a worker started in the background of a script inherits SIGINT ignored.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, stop)
+    _stop_on_signals()
     try:
         while t.is_alive():
             t.join(0.5)
@@ -149,6 +141,18 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
         # The server thread sits in accept() inside llama.cpp and has no stop call: leave without joining it.
         os._exit(0)
     raise RuntimeFailure(f"the RPC worker on {ip}:{port} stopped: {failed[0] if failed else 'llama.cpp gave up (see -v)'}")
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C, and SIGTERM from a supervisor (systemd, docker stop), raise KeyboardInterrupt in the main
+    thread; set explicitly because a worker started in the background of a script inherits SIGINT ignored."""
+    import signal
+
+    def stop(_signum, _frame):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
 
 
 def _check_bind(ip: str, port: int) -> None:
