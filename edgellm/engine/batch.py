@@ -53,7 +53,6 @@ class Sequence:
     n_done: int = 0  # prompt tokens in the KV cache
     out: int = -1  # this step's output row, or -1
     last: int = -1  # the token sampled last, not yet decoded
-    chunk: int = 0  # prompt tokens in this step's batch
     sampler: Optional[Sampler] = None
     text: Optional[TextStream] = None
     t0: float = 0.0
