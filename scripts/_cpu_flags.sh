@@ -67,3 +67,53 @@ edgellm_portable_cmake_args() {
 edgellm_flags_key() {
     printf '%s' "$1" | sha256sum | cut -c1-12
 }
+
+# Every llama.cpp build (each wheel, and the reference tools) happens in
+# $EDGELLM_CACHE/build/<name>/{src,build}: a fresh copy of the pinned sdist and
+# the binary folder of its top-level CMake project. One layout for all of them
+# lets ccache, when installed, reuse one build's objects in the next: with
+# CCACHE_BASEDIR at the build root the compile commands hold relative paths,
+# equal between builds; and ccache's preprocessor mode still hits where a
+# define differs but no source reads it (libllama and common do not read
+# GGML_USE_VULKAN or GGML_BACKEND_DL). On a fresh CI machine the tools and the
+# Vulkan variant then compile little beyond their own files (docs in README,
+# "Development"). Without ccache nothing changes but the folder.
+edgellm_build_env() {
+    export CCACHE_DIR="${CCACHE_DIR:-$EDGELLM_CACHE/ccache}"
+    export CCACHE_BASEDIR="$EDGELLM_CACHE/build"
+    export CCACHE_NOHASHDIR=1
+    # One compiler name for every build: ccache hashes it, and scikit-build-core's
+    # CMake picks gcc where the system's picks cc (the same binary).
+    if [ -z "${CC:-}" ] && command -v gcc >/dev/null; then export CC=gcc; fi
+    if [ -z "${CXX:-}" ] && command -v g++ >/dev/null; then export CXX=g++; fi
+    # The same generator for the wheels (scikit-build-core reads it) and the
+    # tools: Ninja and Make run the compiler from different folders.
+    if [ -z "${CMAKE_GENERATOR:-}" ]; then
+        if command -v ninja >/dev/null; then export CMAKE_GENERATOR=Ninja; else export CMAKE_GENERATOR="Unix Makefiles"; fi
+    fi
+}
+
+# The pinned sdist, downloaded once into $EDGELLM_CACHE/dl (through pip, so
+# a pip.conf index or find-links applies); prints its path.
+edgellm_sdist() {
+    local py="${1:-python3}" sdist="$EDGELLM_CACHE/dl/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
+    if [ ! -f "$sdist" ]; then
+        mkdir -p "$EDGELLM_CACHE/dl"
+        "$py" -m pip download --no-deps --no-binary :all: --no-build-isolation -q --disable-pip-version-check \
+            "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$EDGELLM_CACHE/dl" >&2 || \
+        "$py" -m pip download --no-deps --no-binary :all: -q --disable-pip-version-check \
+            "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$EDGELLM_CACHE/dl" >&2
+    fi
+    [ -f "$sdist" ] || { echo "could not fetch the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist" >&2; return 1; }
+    echo "$sdist"
+}
+
+# A fresh source copy in $EDGELLM_CACHE/build/<name>/src; prints the folder
+# holding src/ and build/. Fresh because llama-cpp-python installs its
+# libraries into its own source tree, which a later wheel would package.
+edgellm_build_tree() {
+    local name="$1" sdist="$2" top="$EDGELLM_CACHE/build/$1"
+    rm -rf "$top" && mkdir -p "$top"
+    tar xzf "$sdist" -C "$top" && mv "$top/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION" "$top/src"
+    echo "$top"
+}

@@ -12,9 +12,7 @@
 #
 # Usage: build_llama_tools.sh [TOOL...]   (default: the tools the suite needs)
 # Cached under $EDGELLM_CACHE/llama-tools/<version>-<flags key>-shared/bin;
-# prints that bin folder on stdout. Idempotent: a finished tool is reused, and
-# the CMake build folder is kept beside it, so asking for one more tool later
-# (llama-server for the load test, say) compiles only that tool.
+# prints that bin folder on stdout. Idempotent: a finished tool is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_cpu_flags.sh
@@ -34,27 +32,20 @@ flock 9
 if have_all; then echo "$OUT/bin"; exit 0; fi
 
 say() { echo "[build_llama_tools] $*" >&2; }
-SDIST="$EDGELLM_CACHE/dl/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
-if [ ! -f "$SDIST" ]; then
-    say "fetching the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist (for its vendored llama.cpp)"
-    mkdir -p "$EDGELLM_CACHE/dl"
-    python3 -m pip download --no-deps --no-binary :all: --no-build-isolation -q \
-        "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$EDGELLM_CACHE/dl" >&2 || \
-    python3 -m pip download --no-deps --no-binary :all: -q \
-        "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$EDGELLM_CACHE/dl" >&2
-fi
-SRC="$EDGELLM_CACHE/src/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION"
-if [ ! -d "$SRC/vendor/llama.cpp" ]; then
-    mkdir -p "$EDGELLM_CACHE/src"
-    tar xzf "$SDIST" -C "$EDGELLM_CACHE/src"
-fi
-BUILD="$OUT/build"
+edgellm_build_env
+SDIST="$(edgellm_sdist)"
+# Configured through llama-cpp-python's own top-level CMake project, as the
+# wheels are, so the objects ccache keeps from the wheel built for these flags
+# are the tools' too (_cpu_flags.sh, edgellm_build_env). The tree is kept:
+# asking for one more tool later (llama-server for the load test, say)
+# compiles only that tool.
+TOP="$EDGELLM_CACHE/build/tools-$KEY"
+[ -f "$TOP/src/CMakeLists.txt" ] || TOP="$(edgellm_build_tree "tools-$KEY" "$SDIST")"
+BUILD="$TOP/build"
 say "configuring with: $ARGS"
-# LLAVA_BUILD is a llama-cpp-python option, meaningless here; drop it.
-cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
-    -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_RPATH='$ORIGIN' -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=ON ${ARGS//-DLLAVA_BUILD=OFF/} >&2
-say "building $TOOLS ($(nproc) jobs; a few minutes)"
+cmake -S "$TOP/src" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_BUILD_RPATH='$ORIGIN' \
+    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $ARGS >&2
+say "building $TOOLS ($(nproc) jobs; a few minutes, less with ccache after setup.sh)"
 cmake --build "$BUILD" --config Release -j "$(nproc)" --target $TOOLS >&2
 mkdir -p "$OUT/bin"
 # libraries first, tools last and each by rename: have_all never sees a half-copied tool

@@ -106,12 +106,19 @@ if [ -z "$WHEEL" ]; then
     # The headers folder is where the headers come from, not a build choice:
     # it stays out of the cache key.
     [ -n "$VK_HEADERS" ] && [ "$GPU" = vulkan ] && BUILD_ARGS="$ARGS -DVulkan_INCLUDE_DIR=$VK_HEADERS/include"
-    # --no-binary: a prebuilt wheel would carry someone else's CPU flags;
+    # Built from a fresh copy of the pinned sdist in $EDGELLM_CACHE/build/$KEY,
+    # never a prebuilt wheel (it would carry someone else's CPU flags), with
+    # the build folder beside it: ccache, when installed, then shares objects
+    # with the other builds (_cpu_flags.sh, edgellm_build_env).
     # --no-cache-dir: pip's own wheel cache ignores CMAKE_ARGS and would hand
     # back the wheel built for another flag set (it gave a Vulkan venv the CPU one).
+    edgellm_build_env
+    TOP="$(edgellm_build_tree "$KEY" "$(edgellm_sdist "$VPY")")"
     CMAKE_ARGS="$BUILD_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc 2>/dev/null || echo 2)" \
-        "$VPY" -m pip wheel -q --disable-pip-version-check --no-cache-dir --no-deps --no-binary llama-cpp-python \
-        "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -w "$WHEELS.partial"
+        "$VPY" -m pip wheel -q --disable-pip-version-check --no-cache-dir --no-deps \
+        --config-settings=build-dir="$TOP/build" "$TOP/src" -w "$WHEELS.partial"
+    # ccache holds the objects; the tree itself is 1-2 GB
+    rm -rf "$TOP"
     if [ -n "$GPU" ] && ! "$VPY" -c 'import sys, zipfile; sys.exit(not any("libggml-"+sys.argv[2] in n for n in zipfile.ZipFile(sys.argv[1]).namelist()))' \
             "$(ls "$WHEELS.partial"/llama_cpp_python-*.whl | head -1)" "$GPU"; then
         echo "setup.sh: the wheel built for --gpu $GPU has no ggml-$GPU backend; not caching it" >&2
