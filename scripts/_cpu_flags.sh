@@ -99,8 +99,10 @@ edgellm_sdist() {
     local py="${1:-python3}" sdist="$EDGELLM_CACHE/dl/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
     if [ ! -f "$sdist" ]; then
         mkdir -p "$EDGELLM_CACHE/dl"
+        # without build isolation when this Python has scikit-build-core (no
+        # build env to make just to read the metadata); else with it, quietly
         "$py" -m pip download --no-deps --no-binary :all: --no-build-isolation -q --disable-pip-version-check \
-            "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$EDGELLM_CACHE/dl" >&2 || \
+            "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$EDGELLM_CACHE/dl" >/dev/null 2>&1 || \
         "$py" -m pip download --no-deps --no-binary :all: -q --disable-pip-version-check \
             "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$EDGELLM_CACHE/dl" >&2
     fi
