@@ -48,25 +48,18 @@ from edgellm import paths
 from edgellm.engine.memory import DEFAULT_CTX, available_ram, weights_room
 from edgellm.errors import QuantizeError, UsageError
 from edgellm.fsutil import atomic_write_text, sha256_file
-from edgellm.gguf.layout import read_layout
-from edgellm.gguf.reader import read_gguf
-from edgellm.models.resolve import resolve
+from edgellm.gguf.layout import read_tensors
 from edgellm.models.store import Store
 from edgellm.progress import Progress, no_progress
 from quant import sensitivity
 from quant._common import base_name
 from quant.imatrix import _GGML, choose_imatrix
-from quant.imatrix_file import model_matmul_widths
-from quant.levels import is_quantized
 from quant.quantize import quantize
+from quant.recipe import (  # noqa: F401  (check_recipe, load_recipe: re-exported for the tests)
+    FILE_TYPE, TYPES, apply_recipe, check_recipe, llama_quantize_text, load_recipe, resolve_base, tt_overrides,
+)
 
-# ggml_type ids of the pinned ggml.h, and their block widths
-TYPES: dict[str, tuple[int, int]] = {
-    "Q2_K": (10, 256), "Q3_K": (11, 256), "IQ4_XS": (23, 256), "Q4_K": (12, 256), "Q5_K": (13, 256), "Q6_K": (14, 256),
-    "Q4_0": (2, 32), "Q4_1": (3, 32), "Q5_0": (6, 32), "Q5_1": (7, 32), "IQ4_NL": (20, 32), "Q8_0": (8, 32),
-}
 SAMPLE_ROWS = 256
-FILE_TYPE = "q4_k_m"  # the file type llama.cpp records; every quantized tensor is overridden anyway
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -128,7 +121,7 @@ def measure(model_path: Path, imatrix: Any, types: Sequence[str], *, cancel: Any
     """Every quantizable matrix's (type, bytes, error) options; and the bytes of the tensors kept as they are."""
 
     lib = _ggml()
-    parsed = read_layout(model_path)
+    parsed = read_tensors(model_path)
     entries = {n: e.normalized().astype(np.float32) for n, e in imatrix.entries.items()}
     attn_in = [v for n, v in entries.items() if n.endswith("attn_q.weight")]
     out_imp = np.mean(attn_in, axis=0).astype(np.float32) if attn_in else None
@@ -197,7 +190,7 @@ def smallest_bytes(model_path: Path, types: Sequence[str]) -> int:
 
     lib = _ggml()
     total = 0
-    for t in read_layout(model_path).tensors:
+    for t in read_tensors(model_path).tensors:
         sizes = [t.shape[1] * lib.ggml_row_size(TYPES[n][0], t.shape[0]) for n in types
                  if len(t.shape) == 2 and t.name.endswith(".weight") and t.type_name in ("F16", "F32")
                  and t.shape[0] % TYPES[n][1] == 0]
@@ -281,50 +274,6 @@ def plan(model_path: Path, info: Any, imatrix: Any, budget: Budget, *, exclude: 
     }
 
 
-def load_recipe(path: Path | str) -> dict[str, Any]:
-    p = Path(path).expanduser()
-    try:
-        r = json.loads(p.read_text(encoding="utf-8"))
-        pairs = [(str(a), str(b).upper()) for a, b in r["tensor_types"]]
-        str(r["architecture"])
-    except FileNotFoundError:
-        raise UsageError(f"{p}: no such recipe file") from None
-    except (ValueError, KeyError, TypeError, OSError):
-        raise QuantizeError(f"{p.name}: not an edgellm recipe (JSON with architecture and tensor_types)") from None
-    r["tensor_types"] = pairs
-    r["file"] = str(p)
-    return r
-
-
-def check_recipe(recipe: dict[str, Any], model_path: Path, info: Any, label: str) -> None:
-    """A recipe applies to a model of its architecture whose every matrix it names exists and fits the type."""
-
-    if recipe["architecture"] != info.architecture:
-        raise QuantizeError(f"the recipe {Path(recipe['file']).name} is for {recipe['architecture']} models; "
-                            f"{label} is {info.architecture or 'unknown'}")
-    _arch, widths = model_matmul_widths(model_path)
-    for pattern, tname in recipe["tensor_types"]:
-        if tname not in TYPES:
-            raise QuantizeError(f"the recipe names an unknown type {tname}")
-        rx = re.compile(pattern)
-        hit = [n for n in widths if rx.search(n)]
-        if not hit:
-            raise QuantizeError(f"the recipe's pattern {pattern} matches no tensor of {label}: it was made for "
-                                "another model layout")
-        bad = [n for n in hit if widths[n][0] % TYPES[tname][1]]
-        if bad:
-            raise QuantizeError(f"the recipe puts {bad[0]} ({widths[bad[0]][0]} wide) in {tname}, whose blocks do not fit")
-
-
-def tt_overrides(recipe_pairs: Sequence[tuple[str, str]]) -> list[list[Any]]:
-    return [[p, TYPES[t][0]] for p, t in recipe_pairs]
-
-
-def llama_quantize_text(recipe_pairs: Sequence[tuple[str, str]]) -> str:
-    """The same recipe for llama-quantize --tensor-type-file (pattern=type, one per line)."""
-    return "".join(f"{p}={t.lower()}\n" for p, t in recipe_pairs)
-
-
 def quantize_to_budget(
     model: str | Path,
     *,
@@ -345,55 +294,40 @@ def quantize_to_budget(
     (measurement and allocation) apart from the result's quantization time.
     """
 
-    on_progress = on_progress or no_progress
     if (budget is None) == (recipe_file is None):
         raise UsageError("give exactly one of --budget SIZE or --recipe FILE")
-    store = store or Store()
-    resolved = resolve(str(model), store=store)
-    info = read_gguf(resolved.path)
-    if is_quantized(info):
-        raise QuantizeError(f"--budget and --recipe start from an F16/BF16/F32 file; {resolved.label} is {info.level} "
-                            f"(`edgellm convert {resolved.label} --to f16` first)")
-    written: list[Path] = []
-    choice = None
     if recipe_file is not None:
-        recipe = load_recipe(recipe_file)
-        check_recipe(recipe, resolved.path, info, resolved.label)
-        label = "recipe-" + re.sub(r"[^a-z0-9._+-]", "-", Path(recipe_file).stem.lower())[:40]
-        lineage = {"file": recipe["file"], "made_for": recipe.get("model"), "tensors": len(recipe["tensor_types"])}
-        recipe["search_seconds"] = 0.0
-    else:
-        b = parse_budget(budget or "", info)
-        check_budget(resolved.path, info, b, exclude)
-        # an imatrix first: the search measures with it and the quantization uses it
-        choice_early = choose_imatrix(imatrix or "auto", resolved, store=store, on_progress=on_progress, cancel=cancel)
-        recipe = plan(resolved.path, info, choice_early.matrix, b, exclude=exclude, cancel=cancel, on_progress=on_progress,
-                      imatrix_path=choice_early.path, imatrix_sha256=choice_early.sha256, threads=threads,
-                      model_sha256=resolved.record.sha256 if resolved.record is not None else None)
-        recipe.update(model=resolved.label, imatrix=choice_early.lineage())
-        label = "budget-" + re.sub(r"[^a-z0-9.]", "", (budget or "").lower())
-        folder = paths.home() / "recipes"
-        jpath = folder / f"{base_name(resolved, info)}-{label}.json"
-        atomic_write_text(jpath, json.dumps(recipe, indent=1) + "\n")
-        atomic_write_text(jpath.with_suffix(".txt"), llama_quantize_text(recipe["tensor_types"]))
-        written += [jpath, jpath.with_suffix(".txt")]
-        recipe["file"] = str(jpath)
-        lineage = {k: recipe[k] for k in ("file", "budget", "excluded_types", "predicted_bytes", "type_counts",
-                                           "search_seconds")}
-        choice = choice_early
+        return apply_recipe(model, recipe_file, imatrix=imatrix, output=output, threads=threads, force=force,
+                            store=store, on_progress=on_progress, cancel=cancel)
+    on_progress = on_progress or no_progress
+    store = store or Store()
+    resolved, info = resolve_base(model, store)
+    b = parse_budget(budget or "", info)
+    check_budget(resolved.path, info, b, exclude)
+    # an imatrix first: the search measures with it and the quantization uses it
+    choice = choose_imatrix(imatrix or "auto", resolved, store=store, on_progress=on_progress, cancel=cancel)
+    recipe = plan(resolved.path, info, choice.matrix, b, exclude=exclude, cancel=cancel, on_progress=on_progress,
+                  imatrix_path=choice.path, imatrix_sha256=choice.sha256, threads=threads,
+                  model_sha256=resolved.record.sha256 if resolved.record is not None else None)
+    recipe.update(model=resolved.label, imatrix=choice.lineage())
+    label = "budget-" + re.sub(r"[^a-z0-9.]", "", (budget or "").lower())
+    jpath = paths.home() / "recipes" / f"{base_name(resolved, info)}-{label}.json"
+    atomic_write_text(jpath, json.dumps(recipe, indent=1) + "\n")
+    atomic_write_text(jpath.with_suffix(".txt"), llama_quantize_text(recipe["tensor_types"]))
+    written = [jpath, jpath.with_suffix(".txt")]
+    recipe["file"] = str(jpath)
+    lineage = {k: recipe[k] for k in ("file", "budget", "excluded_types", "predicted_bytes", "type_counts",
+                                       "search_seconds")}
     try:
-        if choice is None and imatrix is not None:
-            choice = choose_imatrix(imatrix, resolved, store=store, on_progress=on_progress, cancel=cancel)
-        results = quantize(resolved.record.name if resolved.record is not None else resolved.path, [FILE_TYPE],
-                           output=output, threads=threads, force=force, imatrix=choice,  # type: ignore[arg-type]
-                           tensor_types=tt_overrides(recipe["tensor_types"]), recipe=lineage, label=label, store=store,
-                           on_progress=on_progress, cancel=cancel)
+        res = quantize(resolved.record.name if resolved.record is not None else resolved.path, [FILE_TYPE],
+                       output=output, threads=threads, force=force, imatrix=choice,  # type: ignore[arg-type]
+                       tensor_types=tt_overrides(recipe["tensor_types"]), recipe=lineage, label=label, store=store,
+                       on_progress=on_progress, cancel=cancel)[0]
     except BaseException:
         for p in written:
             p.unlink(missing_ok=True)
         raise
-    res = results[0]
-    if budget is not None and res.size_bytes > parse_budget(budget, info).bytes:
+    if res.size_bytes > b.bytes:
         store.remove(res.name)  # cannot happen with exact sizes; never leave a file over the budget
         raise QuantizeError(f"the file came out at {res.size_bytes} bytes, over the budget; nothing was kept")
     return res, recipe

@@ -26,7 +26,7 @@ import numpy as np
 
 from edgellm.errors import GGUFError, QuantizeError
 from edgellm.fsutil import unreadable
-from edgellm.gguf.layout import read_layout
+from edgellm.gguf.layout import read_layout, read_tensors
 
 ALIGN = 32
 _F32 = 0
@@ -164,7 +164,7 @@ def read_imatrix(path: Path | str) -> IMatrix:
 def model_matmul_widths(model_path: Path | str) -> tuple[str, dict[str, tuple[int, int]]]:
     """(architecture, {weight name: (cols, n_mat)}) for every tensor an imatrix can describe."""
 
-    parsed = read_layout(model_path)
+    parsed = read_tensors(model_path)
     arch = parsed.fields.get("general.architecture", "")
     out = {}
     for t in parsed.tensors:

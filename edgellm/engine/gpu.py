@@ -32,7 +32,7 @@ from edgellm.engine import backends
 from edgellm.engine.memory import estimate
 from edgellm.errors import UsageError
 from edgellm.fsutil import human_size
-from edgellm.gguf.reader import read_layout
+from edgellm.gguf.layout import read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def layer_costs(path: Path | str, info, *, ctx: int, kv_type: str = "f16", n_uba
     blocks = [0] * n
     output = host = embd = 0
     has_output = False
-    for t in read_layout(path).tensors:
+    for t in read_tensors(path).tensors:
         m = _BLK.match(t.name)
         if m and int(m.group(1)) < n:
             blocks[int(m.group(1))] += t.n_bytes

@@ -41,7 +41,8 @@ from edgellm.engine.memory import (
 )
 from edgellm.errors import EdgeLLMError, InsufficientResources, UsageError
 from edgellm.fsutil import human_size
-from edgellm.gguf.reader import read_gguf, read_layout
+from edgellm.gguf.layout import read_tensors
+from edgellm.gguf.reader import read_gguf
 
 DEFAULT_PORT = 50052
 MAX_SERVERS = 16  # GGML_RPC_MAX_SERVERS
@@ -340,7 +341,7 @@ def plan(path: Path | str, workers: Sequence[WorkerInfo], *, local_memory: int, 
     other_bytes = 0
     tok_embd = 0
     has_output_tensor = False
-    for t in read_layout(path).tensors:
+    for t in read_tensors(path).tensors:
         m = re.match(r"blk\.(\d+)\.", t.name)
         if m:
             per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + t.n_bytes

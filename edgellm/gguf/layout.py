@@ -340,3 +340,11 @@ def read_layout(path: Path | str) -> _Parsed:
     """
     path = Path(path)
     return _parse(path, _check_header(path), raw=True)
+
+
+def read_tensors(path: Path | str) -> _Parsed:
+    """The tensor table (with absolute data offsets) and the metadata, long
+    arrays only counted: what code that reads shapes or tensor bytes needs,
+    without read_layout's copy of a 49k-token vocabulary (0.3 s)."""
+    path = Path(path)
+    return _parse(path, _check_header(path))
