@@ -56,7 +56,7 @@ from quant._common import base_name
 from quant.imatrix import _GGML, choose_imatrix
 from quant.quantize import quantize
 from quant.recipe import (  # noqa: F401  (check_recipe, load_recipe: re-exported for the tests)
-    FILE_TYPE, TYPES, apply_recipe, check_recipe, llama_quantize_text, load_recipe, resolve_base, tt_overrides,
+    FILE_TYPE, TYPES, check_recipe, llama_quantize_text, load_recipe, resolve_base, tt_overrides,
 )
 
 SAMPLE_ROWS = 256
@@ -274,35 +274,20 @@ def plan(model_path: Path, info: Any, imatrix: Any, budget: Budget, *, exclude: 
     }
 
 
-def quantize_to_budget(
-    model: str | Path,
-    *,
-    budget: Optional[str] = None,
-    recipe_file: Optional[str | Path] = None,
-    exclude: Sequence[str] = (),
-    imatrix: Optional[str] = None,
-    output: Optional[Path] = None,
-    threads: Optional[int] = None,
-    force: bool = False,
-    store: Any = None,
-    on_progress: Any = None,
-    cancel: Any = None,
-) -> tuple[Any, dict[str, Any]]:
-    """`--budget SIZE` (search, then quantize) or `--recipe FILE` (quantize with a saved recipe).
+def quantize_to_budget(model: str | Path, *, budget: str, exclude: Sequence[str] = (), imatrix: Optional[str] = None,
+                       output: Optional[Path] = None, threads: Optional[int] = None, force: bool = False,
+                       store: Any = None, on_progress: Any = None, cancel: Any = None) -> tuple[Any, dict[str, Any]]:
+    """`--budget SIZE`: search the per-tensor types, save them as a recipe, quantize with them.
 
     Returns (QuantizeResult, recipe); the recipe carries `search_seconds`
     (measurement and allocation) apart from the result's quantization time.
+    `--recipe FILE` is quant/recipe.py's `apply_recipe`.
     """
 
-    if (budget is None) == (recipe_file is None):
-        raise UsageError("give exactly one of --budget SIZE or --recipe FILE")
-    if recipe_file is not None:
-        return apply_recipe(model, recipe_file, imatrix=imatrix, output=output, threads=threads, force=force,
-                            store=store, on_progress=on_progress, cancel=cancel)
     on_progress = on_progress or no_progress
     store = store or Store()
     resolved, info = resolve_base(model, store)
-    b = parse_budget(budget or "", info)
+    b = parse_budget(budget, info)
     check_budget(resolved.path, info, b, exclude)
     # an imatrix first: the search measures with it and the quantization uses it
     choice = choose_imatrix(imatrix or "auto", resolved, store=store, on_progress=on_progress, cancel=cancel)
@@ -310,7 +295,7 @@ def quantize_to_budget(
                   imatrix_path=choice.path, imatrix_sha256=choice.sha256, threads=threads,
                   model_sha256=resolved.record.sha256 if resolved.record is not None else None)
     recipe.update(model=resolved.label, imatrix=choice.lineage())
-    label = "budget-" + re.sub(r"[^a-z0-9.]", "", (budget or "").lower())
+    label = "budget-" + re.sub(r"[^a-z0-9.]", "", budget.lower())
     jpath = paths.home() / "recipes" / f"{base_name(resolved, info)}-{label}.json"
     atomic_write_text(jpath, json.dumps(recipe, indent=1) + "\n")
     atomic_write_text(jpath.with_suffix(".txt"), llama_quantize_text(recipe["tensor_types"]))
