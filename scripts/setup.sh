@@ -100,6 +100,13 @@ WHEELS="$EDGELLM_CACHE/wheels/$KEY"
 say "llama.cpp CPU flags: $ARGS"
 WHEEL="$(ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION"-*.whl 2>/dev/null | head -1 || true)"
 if [ -z "$WHEEL" ]; then
+    # One build per flag set at a time: two would share $EDGELLM_CACHE/build/$KEY.
+    mkdir -p "$EDGELLM_CACHE/wheels"
+    exec 8>"$EDGELLM_CACHE/wheels/.$KEY.lock"
+    flock 8
+    WHEEL="$(ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION"-*.whl 2>/dev/null | head -1 || true)"
+fi
+if [ -z "$WHEEL" ]; then
     say "building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION for these flags (about 6-10 min on 2 cores; once per machine)"
     mkdir -p "$WHEELS.partial"
     BUILD_ARGS="$ARGS"
