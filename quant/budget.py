@@ -55,9 +55,7 @@ from quant import sensitivity
 from quant._common import base_name
 from quant.imatrix import _GGML, choose_imatrix
 from quant.quantize import quantize
-from quant.recipe import (  # noqa: F401  (check_recipe, load_recipe: re-exported for the tests)
-    FILE_TYPE, TYPES, check_recipe, llama_quantize_text, load_recipe, resolve_base, tt_overrides,
-)
+from quant.recipe import FILE_TYPE, TYPES, llama_quantize_text, resolve_base, tt_overrides
 
 SAMPLE_ROWS = 256
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -30,6 +30,7 @@ TYPES: dict[str, tuple[int, int]] = {
     "Q4_0": (2, 32), "Q4_1": (3, 32), "Q5_0": (6, 32), "Q5_1": (7, 32), "IQ4_NL": (20, 32), "Q8_0": (8, 32),
 }
 
+
 def load_recipe(path: Path | str) -> dict[str, Any]:
     p = Path(path).expanduser()
     try:

@@ -98,13 +98,14 @@ if [ -n "$PORTABLE" ]; then
 fi
 WHEELS="$EDGELLM_CACHE/wheels/$KEY"
 say "llama.cpp CPU flags: $ARGS"
-WHEEL="$(ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION"-*.whl 2>/dev/null | head -1 || true)"
+cached_wheel() { ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION"-*.whl 2>/dev/null | head -1 || true; }
+WHEEL="$(cached_wheel)"
 if [ -z "$WHEEL" ]; then
     # One build per flag set at a time: two would share $EDGELLM_CACHE/build/$KEY.
     mkdir -p "$EDGELLM_CACHE/wheels"
     exec 8>"$EDGELLM_CACHE/wheels/.$KEY.lock"
     flock 8
-    WHEEL="$(ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION"-*.whl 2>/dev/null | head -1 || true)"
+    WHEEL="$(cached_wheel)"
 fi
 if [ -z "$WHEEL" ]; then
     say "building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION for these flags (about 6-10 min on 2 cores; once per machine)"
@@ -139,7 +140,7 @@ if [ -z "$WHEEL" ]; then
         rm -rf "$WHEELS.partial"; exit 1
     fi
     rm -rf "$WHEELS" && mv "$WHEELS.partial" "$WHEELS"
-    WHEEL="$(ls "$WHEELS"/llama_cpp_python-*.whl | head -1)"
+    WHEEL="$(cached_wheel)"
 else
     say "reusing the wheel built for these flags: $WHEEL"
 fi
