@@ -156,6 +156,12 @@ class Store:
 
     # -- writing -----------------------------------------------------------
 
+    @staticmethod
+    def prepare_write() -> None:
+        """Import what a write needs (the lock, ~20 ms), for a caller that has
+        idle time now and must register something quickly later."""
+        import filelock  # noqa: F401
+
     @contextlib.contextmanager
     def transaction(self) -> Iterator[dict[str, Any]]:
         """Lock, re-read, let the caller mutate `data['models']`, write atomically."""
