@@ -26,7 +26,7 @@ import numpy as np
 
 from edgellm.errors import GGUFError, QuantizeError
 from edgellm.fsutil import unreadable
-from edgellm.gguf.layout import read_layout, read_tensors
+from edgellm.gguf.layout import model_matmul_widths, read_layout
 
 ALIGN = 32
 _F32 = 0
@@ -159,18 +159,6 @@ def read_imatrix(path: Path | str) -> IMatrix:
     if "imatrix.chunk_size" not in f and "imatrix.chunk_count" not in f and not datasets:
         raise QuantizeError(f"{what} (missing imatrix metadata)")  # llama-quantize refuses these too
     return IMatrix(entries, datasets, int(f.get("imatrix.chunk_count", 0) or 0), int(f.get("imatrix.chunk_size", 0) or 0))
-
-
-def model_matmul_widths(model_path: Path | str) -> tuple[str, dict[str, tuple[int, int]]]:
-    """(architecture, {weight name: (cols, n_mat)}) for every tensor an imatrix can describe."""
-
-    parsed = read_tensors(model_path)
-    arch = parsed.fields.get("general.architecture", "")
-    out = {}
-    for t in parsed.tensors:
-        if len(t.shape) >= 2:
-            out[t.name] = (t.shape[0], t.shape[2] if len(t.shape) > 2 else 1)
-    return str(arch), out
 
 
 def check_against_model(m: IMatrix, model_path: Path | str, *, label: str, model_label: str) -> None:

@@ -41,8 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from edgellm.engine.memory import available_ram
-from edgellm.engine.runtime import default_threads
+from edgellm.engine.memory import available_ram, default_threads
 from edgellm.errors import Cancelled, GGUFError, QuantizeError, UsageError
 from edgellm.fsutil import (
     check_free_disk,
@@ -50,6 +49,7 @@ from edgellm.fsutil import (
     human_size,
     partial_path,
     sha256_file,
+    start_writeback,
 )
 from edgellm.gguf.reader import GGUFInfo, read_gguf
 from edgellm.models.resolve import Resolved, resolve
@@ -177,7 +177,7 @@ def quantize(
     workers: list[Worker] = []
     try:
         for n in _split(nthread, n_slots):
-            workers.append(Worker(events, n))
+            workers.append(Worker.get(events, n))
         return _quantize_all(model_ref_or_path, wanted, workers, events, output=output, nthread=nthread,
                              allow_requantize=allow_requantize, force=force, imatrix=imatrix, store=store,
                              on_progress=on_progress, cancel=cancel,
@@ -320,13 +320,19 @@ def _run_levels(
         on_progress(Progress(task, done, total, "tensor", message=message, rate=meter.update(done)))
 
     on_progress(Progress(task, 0, total, "tensor", message="loading"))
+    flushed = time.perf_counter()
     try:
         for w in workers:
             if pending:
                 start(w)
+        finisher.submit(store.prepare_write)  # while llama.cpp works, not after it
         while active:
             if cancel is not None and cancel.cancelled:
                 raise Cancelled(cancel.reason)
+            if time.perf_counter() - flushed > 0.25:  # the outputs go to disk as they grow: _finish's fsync is then short
+                flushed = time.perf_counter()
+                for j in active.values():
+                    start_writeback(j.tmp)
             for f in finishing.values():
                 if f.done() and f.exception() is not None:
                     raise f.exception()  # type: ignore[misc]

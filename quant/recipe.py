@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from edgellm.errors import QuantizeError, UsageError
+from edgellm.gguf.layout import model_matmul_widths
 from edgellm.gguf.reader import read_gguf
 from edgellm.models.resolve import resolve
 from edgellm.models.store import Store
-from quant.imatrix_file import model_matmul_widths
 from quant.levels import is_quantized
 from quant.quantize import quantize
 
@@ -56,14 +56,29 @@ def check_recipe(recipe: dict[str, Any], model_path: Path, info: Any, label: str
     for pattern, tname in recipe["tensor_types"]:
         if tname not in TYPES:
             raise QuantizeError(f"the recipe names an unknown type {tname}")
-        rx = re.compile(pattern)
-        hit = [n for n in widths if rx.search(n)]
+        name = _literal(pattern)
+        if name is not None:  # what --budget writes: one anchored name, a lookup instead of a regex over every tensor
+            hit = [name] if name in widths else []
+        else:
+            try:
+                rx = re.compile(pattern)
+            except re.error as e:
+                raise QuantizeError(f"the recipe's pattern {pattern} is not a regular expression ({e})") from None
+            hit = [n for n in widths if rx.search(n)]
         if not hit:
             raise QuantizeError(f"the recipe's pattern {pattern} matches no tensor of {label}: it was made for "
                                 "another model layout")
         bad = [n for n in hit if widths[n][0] % TYPES[tname][1]]
         if bad:
             raise QuantizeError(f"the recipe puts {bad[0]} ({widths[bad[0]][0]} wide) in {tname}, whose blocks do not fit")
+
+
+def _literal(pattern: str) -> Optional[str]:
+    """The tensor name an anchored, escaped pattern (^blk\\.0\\.attn_k\\.weight$) matches, else None."""
+    if len(pattern) < 3 or pattern[0] != "^" or pattern[-1] != "$":
+        return None
+    name = pattern[1:-1].replace("\\.", ".")
+    return name if re.escape(name) == pattern[1:-1] else None
 
 
 def tt_overrides(recipe_pairs: Sequence[tuple[str, str]]) -> list[list[Any]]:

@@ -152,3 +152,26 @@ def test_a_split_set_is_checked_shard_by_shard(tmp_path, shard):
     patched.replace(target)
     with pytest.raises(GGUFError, match=f"^{target.name}: tensor '{name}' is declared F16"):
         validate_for_import(shards)
+
+
+def test_parse_cache_never_serves_a_changed_file(tmp_path):
+    """A command reads its input several times and parses it once (edgellm.gguf.layout's
+    cache); a file rewritten in place is parsed again, and so is one written just now
+    (mtimes tick in jiffies, so its key could survive a rewrite)."""
+    import os
+    import time
+
+    from support.gguf_files import write_tiny_llama
+
+    from edgellm.gguf.layout import read_tensors
+    from edgellm.gguf.reader import read_gguf
+
+    p = write_tiny_llama(tmp_path / "m.gguf", n_layer=2)
+    assert read_tensors(p) is not read_tensors(p)  # fresh: not cached
+    old = time.time() - 60
+    os.utime(p, (old, old))
+    first = read_tensors(p)
+    assert read_tensors(p) is first and read_gguf(p).block_count == 2  # settled: parsed once
+    write_tiny_llama(p, n_layer=3)
+    os.utime(p, (old + 1, old + 1))
+    assert read_tensors(p) is not first and read_gguf(p).block_count == 3

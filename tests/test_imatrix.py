@@ -451,6 +451,8 @@ def test_recipe_for_another_architecture_or_layout_is_refused(cli, f16_model, ed
     assert "matches no tensor" in err
     p.write_text("{not json")
     assert "not an edgellm recipe" in _refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", str(p))
+    p.write_text(json.dumps({"architecture": "llama", "tensor_types": [["^blk\\.(0", "Q4_0"]]}))
+    assert "is not a regular expression" in _refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", str(p))
 
 
 def test_kill_9_during_budget_search_leaves_nothing(cli, f16_model, session_imatrix, edgellm_home):

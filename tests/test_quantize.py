@@ -129,6 +129,30 @@ def test_cancel_token_stops_the_worker(f16_model, edgellm_home):
     assert store_snapshot(edgellm_home) == before
 
 
+def test_prestarted_worker_is_taken_and_a_dead_one_replaced(f16_model, edgellm_home, tmp_path, monkeypatch):
+    """The CLI starts a worker before it has checked anything (quant._workers.prestart);
+    quantize() takes that one instead of starting another, and starts a fresh one if
+    the spare died meanwhile. Either way the file is the same."""
+    from quant import _workers
+    from quant.quantize import quantize
+
+    started = []
+    real_init = _workers.Worker.__init__
+    monkeypatch.setattr(_workers.Worker, "__init__", lambda self, *a: (started.append(a), real_init(self, *a))[1])
+    _workers.prestart()
+    spare = _workers._spares[0]
+    first = quantize(F16_NAME, "q8_0", output=tmp_path / "a.gguf", threads=2, force=True)[0]
+    assert len(started) == 1 and not _workers._spares  # the spare ran the job: no second worker
+    assert spare.proc.poll() is not None  # and was stopped with it
+    _workers.prestart()
+    dead = _workers._spares[0]
+    dead.proc.kill()
+    dead.proc.wait()
+    second = quantize(F16_NAME, "q8_0", output=tmp_path / "b.gguf", threads=2, force=True)[0]
+    assert len(started) == 3 and not _workers._spares
+    assert first.sha256 == second.sha256
+
+
 def test_levels_side_by_side_match_one_at_a_time(f16_model, edgellm_home, tmp_path, monkeypatch):
     """Two levels share the threads side by side; the files are those of one level at a time,
     which is also what a machine without RAM for two gets."""

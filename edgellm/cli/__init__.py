@@ -112,6 +112,13 @@ def cli(ctx: click.Context, verbose: int) -> None:
     logging.basicConfig(
         level=logging.WARNING - 10 * verbose, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if ctx.invoked_subcommand == "quantize":
+        # its llama.cpp worker needs ~0.1 s to start: begun here, that overlaps
+        # the cleanup, the command's imports and its input checks
+        from quant._workers import close_spares, prestart
+
+        prestart()
+        ctx.call_on_close(close_spares)  # one command's spare is never another's (their env may differ)
     _startup_cleanup()
     if ctx.invoked_subcommand is None:
         ctx.invoke(cli.get_command(ctx, "tui"))

@@ -47,7 +47,7 @@ def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, imatrix
       edgellm quantize smollm2-135m-instruct-f16 -l q4_k_m -l iq2_xs --imatrix auto
       edgellm quantize smollm2-135m-instruct-f16 --budget 90MB --exclude-types q4_1
     """
-    from quant.quantize import describe, quantize
+    from quant.quantize import describe, quantize  # its worker is already starting (edgellm.cli: prestart)
 
     if budget is not None or recipe_file is not None:
         from edgellm.errors import UsageError

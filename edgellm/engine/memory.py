@@ -145,6 +145,17 @@ def weights_room(shape: ModelShape, ram: int, *, ctx: int = DEFAULT_CTX, kv_type
     return max(0, ram - estimate(Shape.of(shape, tensor_bytes=0), ctx=ctx, kv_type=kv_type).total_bytes)
 
 
+def default_threads() -> int:
+    """Physical cores: llama.cpp gains nothing from SMT siblings."""
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except Exception:
+        n = os.cpu_count() or 1
+    return max(1, int(n))
+
+
 def available_ram() -> int:
     override = os.environ.get("EDGELLM_FAKE_AVAILABLE_RAM")
     if override:  # lets tests exercise the guard without a machine that is short of RAM

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from edgellm.engine import backends, hardware
 from edgellm.engine.gpu_load import allocation_report, load_llama
-from edgellm.engine.memory import DEFAULT_CTX, check_fits, estimate, kv_bytes_per_token
+from edgellm.engine.memory import DEFAULT_CTX, check_fits, default_threads, estimate, kv_bytes_per_token
 from edgellm.engine.memory import KV_BYTES_PER_ELEM as KV_BYTES_PER_ELEMENT  # one table for the load guard and /stats
 from edgellm.engine.native_io import capture_native_stderr, silence_native_stderr
 from edgellm.errors import Cancelled, UsageError
@@ -33,17 +33,6 @@ from edgellm.progress import CancelToken
 log = logging.getLogger(__name__)
 
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
-
-
-def default_threads() -> int:
-    """Physical cores: llama.cpp gains nothing from SMT siblings."""
-    try:
-        import psutil
-
-        n = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    except Exception:
-        n = os.cpu_count() or 1
-    return max(1, int(n))
 
 
 @dataclass

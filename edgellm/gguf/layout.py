@@ -9,7 +9,10 @@ parsed is `edgellm.gguf.validate`'s job; `edgellm.gguf.reader` joins the two.
 
 from __future__ import annotations
 
+import os
 import re
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -187,10 +190,39 @@ _MAX_COUNT = 1 << 32
 _KEEP_ARRAYS = 4096
 
 
-# long: one bounds-checked pass over header, metadata and tensor table; the readers are closures sharing `pos`
+_CACHE: dict[tuple, _Parsed] = {}
+_CACHE_SIZE = 4
+_CACHE_LOCK = threading.Lock()
+
+
 def _parse(path: Path, size: int, *, raw: bool = False) -> _Parsed:
     """With `raw`, also keep every KV as written (strings as bytes, arrays whole)
-    in `raw_kvs`, for code that copies metadata verbatim (quant/convert.py)."""
+    in `raw_kvs`, for code that copies metadata verbatim (quant/convert.py).
+
+    A command reads the same input several times (resolve, the recipe's check,
+    quantize's own); walking a 49k-token vocabulary costs ~20 ms each, so the
+    last few parses are kept, keyed by the file's identity and mtime (files
+    changed in the last two seconds are not). The result is shared: callers
+    only read it."""
+    if raw:
+        return _parse_file(path, size, raw=True)
+    st = os.stat(path)
+    if time.time() - st.st_mtime < 2.0:  # mtimes tick in jiffies: a file still being rewritten may keep its key
+        return _parse_file(path, size)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, size)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+    if hit is None:
+        hit = _parse_file(path, size)
+        with _CACHE_LOCK:
+            if len(_CACHE) >= _CACHE_SIZE:
+                _CACHE.pop(next(iter(_CACHE)))
+            _CACHE[key] = hit
+    return hit
+
+
+# long: one bounds-checked pass over header, metadata and tensor table; the readers are closures sharing `pos`
+def _parse_file(path: Path, size: int, *, raw: bool = False) -> _Parsed:
     import mmap
     import struct
 
@@ -348,3 +380,15 @@ def read_tensors(path: Path | str) -> _Parsed:
     without read_layout's copy of a 49k-token vocabulary (0.3 s)."""
     path = Path(path)
     return _parse(path, _check_header(path))
+
+
+def model_matmul_widths(model_path: Path | str) -> tuple[str, dict[str, tuple[int, int]]]:
+    """(architecture, {weight name: (cols, n_mat)}) for every tensor an imatrix can describe."""
+
+    parsed = read_tensors(model_path)
+    arch = parsed.fields.get("general.architecture", "")
+    out = {}
+    for t in parsed.tensors:
+        if len(t.shape) >= 2:
+            out[t.name] = (t.shape[0], t.shape[2] if len(t.shape) > 2 else 1)
+    return str(arch), out
