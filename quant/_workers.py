@@ -64,13 +64,9 @@ class Job:
 
 
 def worker_env() -> dict[str, str]:
-    """The child runs with `python -S` (no site: ~30 ms less start-up on every
-    quantization), so it gets this process's import path explicitly: the
-    project root, then every entry of sys.path (site-packages, .pth additions)."""
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ)
-    paths = [root] + [p for p in sys.path if p and p != root]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
@@ -122,7 +118,7 @@ class Worker:
         self._eof = False
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-S", "-m", _WORKER, str(os.getpid())],
+                [sys.executable, "-m", _WORKER, str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=worker_env(),
             )
         except OSError as e:
