@@ -16,7 +16,7 @@ import mmap
 import os
 import re
 import shutil
-import sys
+import threading
 from pathlib import Path
 from typing import IO, Iterator, Optional
 
@@ -116,29 +116,26 @@ def fsync_path(path: Path) -> None:
             os.close(fd)
 
 
-_libc = None
+def sync_soon(paths: list[Path]) -> threading.Thread:
+    """fdatasync `paths` on a daemon thread (missing ones skipped); returns the thread.
 
+    For files still being written: synced every so often, the data and the
+    filesystem's block allocations for it reach the disk as the file grows,
+    so the fsync before its rename finds almost nothing left (a 105 MB
+    quantized file: ~1 ms instead of 0.1-0.2 s at the end)."""
 
-def start_writeback(path: Path) -> None:
-    """Let the kernel start writing `path`'s dirty pages to disk now, without
-    waiting (Linux sync_file_range; elsewhere nothing).
+    def run() -> None:
+        for p in paths:
+            with contextlib.suppress(OSError):
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
 
-    Called while a big output is still being written, so the fsync before its
-    rename finds little left to do (a 105 MB file: 0.15 s less at the end)."""
-    global _libc
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        if _libc is None:
-            import ctypes
-
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            _libc.sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE: start, do not wait
-        finally:
-            os.close(fd)
+    t = threading.Thread(target=run, name="sync-soon", daemon=True)
+    t.start()
+    return t
 
 
 def sha256_file(

@@ -49,7 +49,7 @@ from edgellm.fsutil import (
     human_size,
     partial_path,
     sha256_file,
-    start_writeback,
+    sync_soon,
 )
 from edgellm.gguf.reader import GGUFInfo, read_gguf
 from edgellm.models.resolve import Resolved, resolve
@@ -320,7 +320,7 @@ def _run_levels(
         on_progress(Progress(task, done, total, "tensor", message=message, rate=meter.update(done)))
 
     on_progress(Progress(task, 0, total, "tensor", message="loading"))
-    flushed = time.perf_counter()
+    flushed, syncing = time.perf_counter(), None
     try:
         for w in workers:
             if pending:
@@ -329,10 +329,9 @@ def _run_levels(
         while active:
             if cancel is not None and cancel.cancelled:
                 raise Cancelled(cancel.reason)
-            if time.perf_counter() - flushed > 0.25:  # the outputs go to disk as they grow: _finish's fsync is then short
-                flushed = time.perf_counter()
-                for j in active.values():
-                    start_writeback(j.tmp)
+            if time.perf_counter() - flushed > 0.25 and not (syncing and syncing.is_alive()):
+                # the outputs go to disk as they grow: _finish's fsync is then short
+                flushed, syncing = time.perf_counter(), sync_soon([j.tmp for j in active.values()])
             for f in finishing.values():
                 if f.done() and f.exception() is not None:
                     raise f.exception()  # type: ignore[misc]
