@@ -155,6 +155,10 @@ if [ "$INSTALLED_KEY" != "$STAMP" ] || ! "$VPY" -c 'import llama_cpp' 2>/dev/nul
 fi
 say "installing edgellm (editable) with the server, plot and test extras"
 "$VPY" -m pip install -q --disable-pip-version-check -e ".[serve,plot,test]"
+# An editable install compiles nothing; a wheel's install compiles every module.
+# Compiled here, each command starts as it would from a wheel, also where
+# PYTHONDONTWRITEBYTECODE keeps Python from caching them itself (+0.05 s a command).
+"$VPY" -m compileall -q edgellm quant tui >/dev/null || true
 
 say "checking the build"
 if "$VPY" -m edgellm.cli doctor --no-self-test >/dev/null; then :; else
