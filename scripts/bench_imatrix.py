@@ -20,7 +20,7 @@ calibration text), ctx 512, --chunks (>= 40):
    with the same per-tensor types and threads, median of --runs (goal <= 1.03).
 
     .venv/bin/python scripts/bench_imatrix.py --chunks 40 --threads 2 --json figures.json
-    .venv/bin/python scripts/bench_imatrix.py --only-speed --threads 2 --runs 5    # part 5 alone, minutes
+    .venv/bin/python scripts/bench_imatrix.py --only-speed --threads 2 --runs 9    # part 5 alone, minutes
 
 Needs llama.cpp's tools (scripts/build_llama_tools.sh, or $EDGELLM_LLAMA_TOOLS)
 and ../shared/data/wikitext-2-raw (or $EDGELLM_CORPUS_DIR). Long: an hour or
@@ -33,6 +33,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -45,11 +46,11 @@ IMATRIX_LEVELS = ["q2_k", "q3_k_m", "iq4_xs", "q4_k_m"]
 BUDGET_LEVELS = ["q2_k", "q3_k_m", "q4_0", "q4_k_m"]
 
 
-def sh(args: list[str], env: dict, timeout: float = 7200) -> str:
+def sh(args: list[str], env: dict, timeout: float = 7200, stderr: bool = False) -> str:
     proc = subprocess.run([str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         sys.exit(f"failed: {' '.join(map(str, args))}\n{proc.stderr[-3000:]}")
-    return proc.stdout
+    return proc.stdout + (proc.stderr if stderr else "")
 
 
 def edgellm(env: dict, *args: str, timeout: float = 7200):
@@ -80,22 +81,34 @@ def kld(env: dict, base: str, names: list[str], args) -> dict[str, dict]:
 
 
 def recipe_speed(env: dict, base: str, f16_path: str, recipe: str, tools: Path, work: Path, args) -> dict:
-    """`quantize --recipe` vs `llama-quantize --tensor-type-file` with the same types and threads, alternating."""
+    """`quantize --recipe` vs `llama-quantize --tensor-type-file` with the same types and threads, alternating.
+
+    Beside the two commands' wall times: each tool's own timer of the
+    llama_model_quantize call, and edgellm's whole job (the call, then
+    validating, hashing, syncing and registering the file), so the fixed
+    start and finish costs show apart from the quantization."""
     t = str(args.threads)
-    mine_s, ref_s = [], []
+    mine_s, ref_s, mine_call, mine_job, ref_call = [], [], [], [], []
     for i in range(args.runs):
         for which in ([0, 1] if i % 2 == 0 else [1, 0]):
             t0 = time.perf_counter()
             if which == 0:
-                edgellm(env, "quantize", base, "--recipe", recipe, "--threads", t, "--force", "--no-progress")
+                r = edgellm(env, "quantize", base, "--recipe", recipe, "--threads", t, "--force", "--no-progress",
+                            "--json")[0]
                 mine_s.append(time.perf_counter() - t0)
+                mine_call.append(r["quantize_seconds"])
+                mine_job.append(r["seconds"])
             else:
-                sh([tools / "llama-quantize", "--tensor-type-file", Path(recipe).with_suffix(".txt"), f16_path,
-                    work / "ref-recipe.gguf", "Q4_K_M", t], env)
+                out = sh([tools / "llama-quantize", "--tensor-type-file", Path(recipe).with_suffix(".txt"), f16_path,
+                          work / "ref-recipe.gguf", "Q4_K_M", t], env, stderr=True)
                 ref_s.append(time.perf_counter() - t0)
-    return {"edgellm_s": statistics.median(mine_s), "llama_quantize_s": statistics.median(ref_s),
-            "ratio": statistics.median(mine_s) / statistics.median(ref_s), "runs": args.runs,
-            "edgellm_runs_s": mine_s, "llama_quantize_runs_s": ref_s}
+                m = re.search(r"quantize time =\s*([0-9.]+) ms", out)
+                ref_call.append(float(m.group(1)) / 1000 if m else float("nan"))
+    med = statistics.median
+    return {"edgellm_s": med(mine_s), "llama_quantize_s": med(ref_s), "ratio": med(mine_s) / med(ref_s),
+            "call_ratio": med(mine_call) / med(ref_call), "job_ratio": med(mine_job) / med(ref_s),
+            "edgellm_call_s": med(mine_call), "edgellm_job_s": med(mine_job), "llama_quantize_call_s": med(ref_call),
+            "runs": args.runs, "edgellm_runs_s": mine_s, "llama_quantize_runs_s": ref_s}
 
 
 def main() -> int:
