@@ -47,6 +47,7 @@ class Sequence:
     sampling: SamplingParams
     emit: Callable[[str, Any], None]
     cancel: Any = None  # a CancelToken
+    on_token: Optional[Callable[[Any, int, int], None]] = None  # (ctx, output row, token) for each sampled non-EOG token: logprobs
     stats: GenerationStats = field(default_factory=GenerationStats)
     # engine state
     slot: int = -1
@@ -229,6 +230,8 @@ class BatchEngine:
             st.ttft_seconds = st.prompt_seconds = now - s.t0
         if llama_cpp.llama_vocab_is_eog(self.vocab, tok):
             return self._finish(s, "eos")
+        if s.on_token is not None:  # before the text: the row's logits are still this token's
+            s.on_token(self.ctx, s.out, tok)
         st.generated_tokens += 1
         self.generated_tokens += 1
         piece = s.text.push(tok)
