@@ -28,9 +28,10 @@ from typing import Any, Callable, Iterator, Optional
 from edgellm.chat import history as chat_history
 from edgellm.chat.structured import Constraint
 from edgellm.chat.template import ChatTemplate, TemplateError
-from edgellm.engine.runtime import GenerationStats, Runtime, SamplingParams
+from edgellm.engine.runtime import GenerationStats, Runtime, RuntimeOptions, SamplingParams
 from edgellm.errors import UsageError
 from edgellm.fsutil import human_size
+from edgellm.models.resolve import Resolved, resolve
 from edgellm.progress import CancelToken
 
 log = logging.getLogger(__name__)
@@ -339,6 +340,43 @@ class ChatSession:
         self.close()
 
 
+def open_session(
+    model: str | Resolved,
+    options: Optional[RuntimeOptions] = None,
+    sampling: Optional[SamplingParams] = None,
+    *,
+    system: Optional[str] = None,
+    resume: Optional[str] = None,
+    constraint: Optional[Constraint] = None,
+    history: Any = None,
+    warn: Optional[Callable[[str], None]] = None,
+    rpc_plan: Any = None,
+    on_plan: Optional[Callable[[Any], None]] = None,
+) -> ChatSession:
+    """Load `model` (a reference, or one already resolved) and start a conversation, or continue
+    the saved session `resume` (then `system`, when given, replaces its system prompt).
+
+    The caller owns the result: `session.close()` then `session.runtime.close()`. On any failure
+    after the load (a bad template, a constraint the model cannot take, an unreadable history)
+    the runtime is closed here, so nothing stays mapped.
+
+    Raises `ModelNotFound`, `RuntimeFailure`, `InsufficientResources` or `UsageError`.
+    """
+    resolved = resolve(model) if isinstance(model, str) else model
+    runtime = Runtime(resolved.path, options, warn=warn, rpc_plan=rpc_plan, on_plan=on_plan)
+    kw: dict[str, Any] = dict(sampling=sampling, constraint=constraint, history=history, model_name=resolved.label, warn=warn)
+    try:
+        if resume:
+            session = ChatSession.resume(runtime, resume, **kw)
+            if system is not None:
+                session.set_system(system)
+            return session
+        return ChatSession(runtime, Conversation(system=system or None), **kw)
+    except BaseException:
+        runtime.close()
+        raise
+
+
 def format_info(info: dict[str, Any]) -> str:
     """/stats as text."""
 
@@ -370,9 +408,9 @@ def strip_bos(rt: Runtime, data: bytes) -> tuple[bytes, list[int]]:
     return data, [rt.token_bos()]
 
 
-def template_tokens(rt: Runtime, template: ChatTemplate, messages: list[dict[str, str]]) -> list[int]:
-    """A conversation rendered by the model's template and tokenized as `ChatSession` does it."""
-    data, bos = strip_bos(rt, template.render(messages, add_generation_prompt=True).encode("utf-8"))
+def template_tokens(rt: Runtime, template: ChatTemplate, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
+    """A conversation rendered by the model's template (`extra`: more template variables, e.g. `tools`) and tokenized as `ChatSession` does it."""
+    data, bos = strip_bos(rt, template.render(messages, add_generation_prompt=True, **extra).encode("utf-8"))
     return bos + (rt.tokenize(data.decode("utf-8"), add_bos=False, special=True) if data else [])
 
 
@@ -394,4 +432,4 @@ def _rss() -> int:
         return 0
 
 
-__all__ = ["ChatTemplate", "Conversation", "ChatSession", "ChatTotals", "TemplateError", "format_info", "stats_line", "strip_bos", "template_tokens"]
+__all__ = ["ChatTemplate", "Conversation", "ChatSession", "ChatTotals", "TemplateError", "format_info", "open_session", "stats_line", "strip_bos", "template_tokens"]

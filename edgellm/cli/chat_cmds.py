@@ -17,12 +17,12 @@ import click
 from edgellm import paths
 from edgellm.chat import history as chat_history
 from edgellm.chat import structured
-from edgellm.chat.session import ChatSession, Conversation, format_info, stats_line
+from edgellm.chat.session import ChatSession, format_info, open_session, stats_line
 from edgellm.cli.output import cancellable, emit_json
 from edgellm.cli.worker_cmds import prepare_rpc, rpc_options
 from edgellm.engine.gpu import parse_size
 from edgellm.engine.memory import DEFAULT_CTX
-from edgellm.engine.runtime import Runtime, RuntimeOptions, SamplingParams
+from edgellm.engine.runtime import RuntimeOptions, SamplingParams
 from edgellm.errors import Cancelled, EdgeLLMError, UsageError
 from edgellm.fsutil import atomic_write_text
 from edgellm.models.resolve import resolve
@@ -117,16 +117,13 @@ def chat_cmd(model: Optional[str], prompt: Optional[str], system: Optional[str],
     rpc_plan = prepare_rpc(resolved.path, rpc, rpc_split, n_ctx=n_ctx, kv_type=kv_type, force=force)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                               seed=seed, max_tokens=max_tokens, stop=list(stop))
-    runtime = Runtime(resolved.path, opts, warn=_warn, rpc_plan=rpc_plan, on_plan=_show_plan)
-    kw: dict[str, Any] = dict(sampling=sampling, constraint=constraint, model_name=resolved.label, warn=_warn,
-                              history=False if no_history else None)
+    history = False if no_history else None
+    session = open_session(resolved, opts, sampling, system=system, resume=resume_id, constraint=constraint,
+                           history=history, warn=_warn, rpc_plan=rpc_plan, on_plan=_show_plan)
+    runtime = session.runtime
+    # what /load needs to reopen a saved session on the same runtime
+    kw: dict[str, Any] = dict(sampling=sampling, constraint=constraint, model_name=resolved.label, warn=_warn, history=history)
     try:
-        if resume_id:
-            session = ChatSession.resume(runtime, resume_id, **kw)
-            if system is not None:
-                session.set_system(system)
-        else:
-            session = ChatSession(runtime, Conversation(system=system), **kw)
         try:
             if prompt is None:
                 return _interactive(session, runtime, kw)

@@ -30,7 +30,7 @@ from textual.widgets import (
 
 from edgellm import paths
 from edgellm.chat import history
-from edgellm.chat.session import ChatSession, Conversation
+from edgellm.chat.session import ChatSession, open_session
 from edgellm.engine import rpc_native
 from edgellm.engine.runtime import (
     GenerationStats,
@@ -41,7 +41,6 @@ from edgellm.engine.runtime import (
 from edgellm.errors import RuntimeFailure, UsageError
 from edgellm.fsutil import human_size
 from edgellm.models.catalog import load_catalog
-from edgellm.models.resolve import resolve
 from edgellm.models.store import Store
 from edgellm.profile.live import LiveSampler
 from tui.modes import SCREENS, key_label
@@ -188,7 +187,8 @@ class ChatScreen(BaseScreen):
                 self.ui(self._status_text, f"loading {s['model']}...")
                 self._close_session()
                 self.session = open_session(
-                    s["model"], options, sampling, system=s["system"], resume=self._resume_id,
+                    # a resumed session keeps its own system prompt
+                    s["model"], options, sampling, system=None if self._resume_id else s["system"] or None, resume=self._resume_id,
                     warn=lambda m: self.ui(self.notify, m, severity="warning"),
                 )
                 self.session_key = key
@@ -399,15 +399,3 @@ class ChatScreen(BaseScreen):
             except Exception:
                 log.debug("closing the chat session failed", exc_info=True)
 
-
-def open_session(model: str, options: RuntimeOptions, sampling: SamplingParams, *, system: str, resume: Optional[str], warn) -> ChatSession:
-    """Load the model and start a conversation, or continue the saved one `resume`."""
-    resolved = resolve(model)
-    runtime = Runtime(resolved.path, options, warn=warn)
-    try:
-        if resume:
-            return ChatSession.resume(runtime, resume, sampling=sampling, model_name=resolved.label, warn=warn)
-        return ChatSession(runtime, Conversation(system=system or None), sampling, model_name=resolved.label, warn=warn)
-    except BaseException:
-        runtime.close()
-        raise
