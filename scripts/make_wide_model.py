@@ -18,7 +18,8 @@ architecture GGUF F times so that it keeps computing the base's function:
   F: each output copy sums F identical inputs, so it gets the base's value;
 - norms and the embedding are tiled (RMSNorm of F copies of a vector is F
   copies of its RMSNorm), and the output matrix is untied: `output.weight`
-  = the tiled embedding / F, since the logits read the copied state too.
+  = the tiled embedding / F, since the logits read the copied state too
+  (at factor 1, a tied base stays tied: same tensors, same sizes).
 
 The head size, and so RoPE and the attention scale, stay the base's. Rounding
 (F16 sums in another order) is the only difference: the script checks its own
@@ -198,7 +199,7 @@ def write_wide(base: Path, out: Path, *, factor: int, dither: bool = False, seed
         else:
             shape = (rows, cols * factor)
         plan.append((t.name, kind, t, shape))
-        if kind == "embd" and "output.weight" not in names:
+        if kind == "embd" and "output.weight" not in names and factor > 1:
             plan.append(("output.weight", "output", t, shape))  # untied: the logits read the copied state
     ftype = {"f32": 0, "f16": 1, "bf16": 32}[out_type]
     check_free_disk(out.parent, sum(_nbytes(s, out_type) for *_, s in plan) + (1 << 24), what=out.name)
@@ -242,7 +243,7 @@ def write_wide(base: Path, out: Path, *, factor: int, dither: bool = False, seed
                 base_values = cache.pop(t.name, None)
                 if base_values is None:
                     base_values = _base_values(t, dither, seed)
-                if kind == "embd" and "output.weight" not in names:
+                if kind == "embd" and "output.weight" not in names and factor > 1:
                     cache[t.name] = base_values  # read again for the untied output
                 data = _encode(_widen(kind, base_values, factor).reshape(shape), _target_type(len(shape), out_type))
                 writer.write_tensor_data(data)
