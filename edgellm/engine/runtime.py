@@ -42,7 +42,7 @@ class RuntimeOptions:
     n_batch: int = 512
     n_ubatch: int = 512
     # threads
-    n_threads: Optional[int] = None  # None: physical cores
+    n_threads: Optional[int] = None  # None: physical cores, fewer while other processes take cores (engine.threads)
     n_threads_batch: Optional[int] = None
     # memory / offload
     n_gpu_layers: Union[int, str] = 0  # int, or "auto"/"all"
@@ -76,6 +76,9 @@ class SamplingParams:
     max_tokens: int = 512
     stop: list[str] = field(default_factory=list)
     grammar: Any = None  # a llama_cpp.LlamaGrammar
+    # speculative decoding (engine.speculative): "off", "ngram", or "model" (the runtime's attached draft model)
+    draft: str = "off"
+    draft_max: int = 0  # most drafted tokens per step; 0: the default (48)
 
 
 @dataclass
@@ -92,6 +95,13 @@ class GenerationStats:
     dropped_turns: int = 0  # oldest turns dropped this turn because the context was full
     kv_tokens: int = 0  # tokens held in the KV cache after the turn
     context_size: int = 0
+    # speculative decoding, as llama-server counts it: drafted tokens, accepted ones, verification steps
+    draft: str = "off"
+    draft_tokens: int = 0
+    draft_accepted: int = 0
+    draft_steps: int = 0
+    draft_accepted_per_pos: list[int] = field(default_factory=list)
+    threads: int = 0  # the thread count at the end of the reply (it follows the machine unless pinned)
 
     @property
     def tokens_per_second(self) -> float:
@@ -206,6 +216,11 @@ class Runtime:
         self.n_gpu_layers = self.gpu_plan.n_gpu_layers if self.gpu_plan is not None else kw["n_gpu_layers"]
         self.load_seconds = time.perf_counter() - t0
         self.n_threads = n_threads
+        self.threads_pinned = opts.n_threads is not None
+        self.draft_runtime: Optional["Runtime"] = None  # attach_draft
+        self._governor: Any = None
+        self._verify_cost: Any = None  # this machine's verify-step cost (engine.speculative.VerifyCost), kept across replies
+        self._spec_memory: list[list[int]] = []  # earlier replies' tokens, drafted from like the prompt
 
     # -- tokens ------------------------------------------------------------
 
@@ -316,8 +331,6 @@ class Runtime:
             self._kv = []
         return ctx, self.llm._model.vocab, self._batch
 
-    # long: the per-token loop stays in one frame with its callables bound to locals,
-    # the cheapest Python there is per token.
     def stream(
         self,
         prompt_tokens: Sequence[int],
@@ -331,6 +344,8 @@ class Runtime:
         Only the tokens past the longest prefix already in the KV cache are
         evaluated. Cancelling stops after the current token; the KV cache then
         holds the prompt and what was generated, and the runtime stays usable.
+        With `sampling.draft` set, steps verify drafted tokens (engine.speculative):
+        the reply is the one decoding without drafts gives.
         """
         from edgellm.engine.decode import (  # lazy: loads jinja2, llama_cpp, numpy
             Sampler,
@@ -338,6 +353,7 @@ class Runtime:
             common_prefix,
             decode_prompt,
         )
+        from edgellm.engine.generate import generate
 
         s = sampling or SamplingParams()
         st = stats if stats is not None else GenerationStats()
@@ -351,6 +367,8 @@ class Runtime:
         ctx, vocab, batch = self._engine()
         import llama_cpp
 
+        spec = self._speculator(s, prompt)
+        governor = self.governor()
         # Keep the longest common prefix in the KV cache; the last prompt token is always
         # evaluated again when everything matched, since its logits are needed.
         keep = min(common_prefix(self._kv, prompt), len(prompt) - 1)
@@ -364,54 +382,84 @@ class Runtime:
         st.reused_tokens = keep
         st.evaluated_prompt_tokens = len(prompt) - keep
         st.stop_reason = "length"
+        st.draft = s.draft if spec is not None else "off"
+        st.threads = governor.threads if governor is not None else self.n_threads
         self._reset_perf()
         kv = self._kv
-        n_gen = 0
         t0 = time.perf_counter()
-        t_first = None
         try:
             if not decode_prompt(ctx, batch, prompt[keep:], keep, cancel=cancel):
                 st.stop_reason = "cancelled"
                 return
             kv.extend(prompt[keep:])
-            sample, is_eog, push = sampler.sample, llama_cpp.llama_vocab_is_eog, text.push
-            add, decode = batch.add, batch.decode
-            while True:
-                tok = sample(ctx, -1)
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    st.ttft_seconds = st.prompt_seconds = t_first - t0
-                if is_eog(vocab, tok):
-                    st.stop_reason = "eos"
-                    break
-                n_gen += 1
-                st.generated_tokens = n_gen
-                piece = push(tok)
-                if piece:
-                    yield piece
-                if text.stopped:
-                    st.stop_reason = "stop"
-                    break
-                if cancel is not None and cancel.cancelled:
-                    st.stop_reason = "cancelled"
-                    break
-                if n_gen >= max_new:
-                    break
-                batch.clear()
-                add(tok, len(kv), 0, True)
-                if decode(ctx) != 0:
-                    break  # the KV cache is full: a "length" stop
-                kv.append(tok)
+            yield from generate(ctx, vocab, batch, kv, sampler, text, st, max_new=max_new, n_ctx=n_ctx, t0=t0,
+                                cancel=cancel, spec=spec, governor=governor)
         finally:
             sampler.close()
             now = time.perf_counter()
-            if t_first is not None:
-                st.generation_seconds = now - t_first
+            if st.ttft_seconds:
+                st.generation_seconds = now - t0 - st.ttft_seconds
             else:
                 st.prompt_seconds = now - t0
+            if spec is not None:
+                self._remember(kv[len(prompt):])
         tail = text.flush()
         if tail:
             yield tail
+
+    # -- speculative decoding and threads ------------------------------------
+
+    def attach_draft(self, draft: Optional["Runtime"]) -> None:
+        """Use `draft` (same vocabulary, else DraftMismatch naming what differs) for `SamplingParams(draft="model")`."""
+        if draft is not None:
+            from edgellm.engine.speculative import check_compatible
+
+            check_compatible(self, draft, names=(self.path.name, draft.path.name))
+        self.draft_runtime = draft
+
+    def _speculator(self, s: SamplingParams, prompt: list[int]) -> Any:
+        mode = (s.draft or "off").lower()
+        if mode == "off":
+            return None
+        from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, DRAFT_MODES, ModelDrafter, NgramDrafter, Speculator, VerifyCost
+
+        if mode not in DRAFT_MODES:
+            raise UsageError(f"unknown draft mode {s.draft!r} (expected one of {', '.join(DRAFT_MODES)})")
+        if self._verify_cost is None:
+            self._verify_cost = VerifyCost()
+        if mode == "model":
+            if self.draft_runtime is None:
+                raise UsageError("draft='model' needs a draft model (Runtime.attach_draft, --draft MODEL)")
+            drafter: Any = ModelDrafter(self.draft_runtime)
+        else:
+            drafter = NgramDrafter()
+        drafter.reset(prompt, self._spec_memory)
+        return Speculator(drafter, draft_max=s.draft_max or DEFAULT_DRAFT_MAX, cost=self._verify_cost)
+
+    def _remember(self, reply: list[int], budget: int = 8192) -> None:
+        """Keep earlier replies (at most `budget` tokens) to draft from, as llama-server's shared n-gram table does."""
+        if len(reply) < 4:
+            return
+        mem = self._spec_memory
+        mem.append(list(reply))
+        while sum(len(r) for r in mem) > budget and len(mem) > 1:
+            mem.pop(0)
+
+    def governor(self) -> Any:
+        """The thread governor of this context (None when --threads pins the count)."""
+        if self.threads_pinned or self.options.rpc:
+            return None
+        ctx = self.llm.ctx
+        if self._governor is None or self._governor.ctx is not ctx:
+            from edgellm.engine.threads import ThreadGovernor
+
+            self._governor = ThreadGovernor(ctx, self.n_threads)
+        return self._governor
+
+    @property
+    def threads_now(self) -> int:
+        """The threads the next token runs on (for status lines)."""
+        return self._governor.threads if self._governor is not None else self.n_threads
 
     def complete(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None, *, cancel: Optional[CancelToken] = None) -> tuple[str, GenerationStats]:
         st = GenerationStats()

@@ -1,0 +1,310 @@
+"""Speculative decoding: what to draft, how long, and whether to draft at all.
+
+A verify step decodes the last sampled token and k drafted ones in one
+batch, then samples from each output row in order with the sequence's own
+sampler chain and keeps the drafted tokens for as long as the sampled token
+equals the drafted one (`edgellm.engine.generate`). For a drafter that
+proposes one token (a one-hot q), this is speculative sampling's accept rule
+exactly: the drafted token x is accepted with probability p(x); otherwise
+the token sampled is distributed as p with x removed and renormalised. So
+the output follows the target's distribution, grammar and penalties
+included (the chain sees the same tokens in the same order), at temperature 0
+it is the argmax, and with a seed the random draws are the ones decoding
+without a draft makes, one per output token.
+
+On a CPU verifying is not free: a batch of k+1 tokens costs more than one
+token (here pp2 is 1.7x, pp8 4.9x a single token's time on a 1.93B model),
+so a draft pays only when it is long and right. `DraftPolicy` learns, per
+sequence, how often drafts are accepted (per kind of draft: n-gram matches
+of 2-3, 4-7, 8-15, 16+ tokens, or a draft model), and `VerifyCost` this
+machine's cost of a step of n tokens against a single one (measured from
+the steps the loop makes; llama-bench's figures as the prior). Each step
+drafts the k that maximises expected tokens per unit of time, 1 + a + ... +
+a^k over cost(k+1) (+ k draft-model decodes), and none when no k beats a
+plain step. An n-gram draft costs nothing to make, so when the policy
+declines to verify one it still checks it against the tokens that follow
+(a shadow draft): the acceptance is learned while speculation is off, and
+it turns itself back on when the text starts to repeat.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from edgellm.engine.ngram import NgramDrafter
+from edgellm.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+DRAFT_MODES = ("off", "ngram", "model")
+DEFAULT_DRAFT_MAX = 48
+MATCH_BUCKETS = (2, 4, 8, 16)  # n-gram match lengths starting each bucket; a draft model's drafts are bucket 4
+MODEL_BUCKET = len(MATCH_BUCKETS)
+# llama-bench pp-n vs tg on a 1.93B Q4_K_M, 2 threads (issue #26): step time of n tokens / one token's
+_PRIOR = ((1, 1.0), (2, 1.72), (4, 2.81), (8, 4.87), (16, 5.79))
+_DECAY = 0.85  # per resolved draft: about the last 7 drafts of a kind decide
+_MARGIN = 1.03  # a draft must promise this much over a plain step
+
+
+class DraftMismatch(UsageError):
+    """The draft model cannot draft for the target: their vocabularies differ."""
+
+
+def prior_ratio(n: int) -> float:
+    if n <= 1:
+        return 1.0
+    for (n0, r0), (n1, r1) in zip(_PRIOR, _PRIOR[1:]):
+        if n <= n1:
+            return r0 + (r1 - r0) * (n - n0) / (n1 - n0)
+    n_last, r_last = _PRIOR[-1]
+    return r_last * n / n_last  # past the largest measured size, a constant tokens/s
+
+
+@dataclass
+class VerifyCost:
+    """This machine's seconds for a decode step of n tokens, relative to a step of one."""
+
+    t1: Optional[float] = None
+    tn: dict[int, float] = field(default_factory=dict)
+    alpha: float = 0.2
+
+    def observe(self, n: int, seconds: float) -> None:
+        if n <= 1:
+            self.t1 = seconds if self.t1 is None else self.t1 + self.alpha * (seconds - self.t1)
+        else:
+            old = self.tn.get(n)
+            self.tn[n] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def ratio(self, n: int) -> float:
+        p = prior_ratio(n)
+        if n <= 1 or self.t1 is None or not self.tn:
+            return p
+        # scale the prior by what was measured at the nearest size
+        m = min(self.tn, key=lambda x: abs(x - n))
+        return max(1.0, p * (self.tn[m] / self.t1) / prior_ratio(m))
+
+
+@dataclass
+class DraftPolicy:
+    """Acceptance per kind of draft (decayed counts) and the draft length that pays."""
+
+    cost: VerifyCost = field(default_factory=VerifyCost)
+    draft_cost: float = 0.0  # a drafted token's cost in target single-token steps (a draft model's decode)
+    hits: list[float] = field(default_factory=lambda: [1.0] * (MODEL_BUCKET + 1))
+    misses: list[float] = field(default_factory=lambda: [1.0] * (MODEL_BUCKET + 1))
+
+    @staticmethod
+    def bucket(match_len: int) -> int:
+        if match_len < 0:
+            return MODEL_BUCKET
+        b = 0
+        for i, lo in enumerate(MATCH_BUCKETS):
+            if match_len >= lo:
+                b = i
+        return b
+
+    def acceptance(self, bucket: int) -> float:
+        return self.hits[bucket] / (self.hits[bucket] + self.misses[bucket])
+
+    def record(self, bucket: int, accepted: int, rejected: bool) -> None:
+        self.hits[bucket] = self.hits[bucket] * _DECAY + accepted
+        self.misses[bucket] = self.misses[bucket] * _DECAY + (1 if rejected else 0)
+
+    def gain(self, bucket: int, k: int) -> float:
+        """Expected tokens per unit of time of a step verifying k drafted tokens, a plain step being 1."""
+        a = min(self.acceptance(bucket), 0.999)
+        expected = (1 - a ** (k + 1)) / (1 - a)
+        return expected / (self.cost.ratio(k + 1) + k * self.draft_cost)
+
+    def choose(self, bucket: int, available: int) -> int:
+        best_k, best = 0, _MARGIN
+        for k in range(1, available + 1):
+            g = self.gain(bucket, k)
+            if g > best:
+                best_k, best = k, g
+        return best_k
+
+
+@dataclass
+class DraftCounters:
+    """Drafted and accepted tokens, as llama-server counts them (per request and for /metrics)."""
+
+    drafted: int = 0  # spec_decode_num_draft_tokens_total
+    accepted: int = 0  # spec_decode_num_accepted_tokens_total
+    steps: int = 0  # spec_decode_num_drafts_total: verification steps
+    per_pos: list[int] = field(default_factory=list)  # accepted tokens per draft position
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.steps += 1
+        if len(self.per_pos) < accepted:
+            self.per_pos.extend([0] * (accepted - len(self.per_pos)))
+        for i in range(accepted):
+            self.per_pos[i] += 1
+
+
+class Speculator:
+    """One sequence's drafter, policy and counters; the decode loop calls push/propose/verified/plain."""
+
+    def __init__(self, drafter: Any, *, draft_max: int = DEFAULT_DRAFT_MAX, cost: Optional[VerifyCost] = None,
+                 probe_every: int = 24) -> None:
+        self.drafter = drafter
+        self.free = isinstance(drafter, NgramDrafter)  # drafting costs nothing: shadow drafts while off
+        self.draft_max = max(0, int(draft_max))
+        self.policy = DraftPolicy(cost=cost or VerifyCost())
+        self.counters = DraftCounters()
+        self.shadow: Optional[list[Any]] = None  # [draft, matched so far, bucket]
+        self.bucket = 0
+        self.probe_every = probe_every
+        self._plain_steps = 0
+
+    def push(self, token: int) -> None:
+        """A token the sequence now holds (sampled, or accepted from a draft)."""
+        self.drafter.push(token)
+        sh = self.shadow
+        if sh is not None:
+            d, i, b = sh
+            if token == d[i]:
+                i += 1
+                if i == len(d):
+                    self.policy.record(b, i, False)
+                    self.shadow = None
+                else:
+                    sh[1] = i
+            else:
+                self.policy.record(b, i, True)
+                self.shadow = None
+
+    def propose(self, room: int) -> list[int]:
+        """The tokens to verify in the next step ([]: a plain step)."""
+        kmax = min(self.draft_max, room)
+        if kmax <= 0:
+            return []
+        if self.free:
+            d, m = self.drafter.draft(kmax)
+            if not d:
+                return []
+            b = self.policy.bucket(m)
+            k = self.policy.choose(b, len(d))
+            if k == 0:
+                if self.shadow is None:
+                    self.shadow = [d, 0, b]
+                return []
+            self.shadow = None  # the verify measures it; a shadow would count the same tokens twice
+            self.bucket = b
+            return d[:k]
+        k = self.policy.choose(MODEL_BUCKET, kmax)
+        if k == 0:
+            self._plain_steps += 1
+            if self._plain_steps < self.probe_every:
+                return []
+            k = min(4, kmax)  # a draft model's drafts are not free: probe now and then instead of shadowing
+        self._plain_steps = 0
+        t = time.perf_counter()
+        d, _ = self.drafter.draft(k)
+        if d and self.policy.cost.t1:
+            per = (time.perf_counter() - t) / len(d) / self.policy.cost.t1
+            self.policy.draft_cost += 0.3 * (per - self.policy.draft_cost) if self.policy.draft_cost else per
+        self.bucket = MODEL_BUCKET
+        return d
+
+    def verified(self, drafted: int, accepted: int, rejected: bool, seconds: float) -> None:
+        self.counters.add(drafted, accepted)
+        self.policy.record(self.bucket, accepted, rejected)
+        self.policy.cost.observe(drafted + 1, seconds)
+
+    def plain(self, seconds: float) -> None:
+        self.policy.cost.observe(1, seconds)
+
+
+class ModelDrafter:
+    """Greedy drafts from a smaller model of the same vocabulary, its KV cache kept in step with the target's tokens."""
+
+    def __init__(self, draft_rt: Any) -> None:
+        import llama_cpp  # lazy: llama.cpp loads only when a draft model is used
+
+        self.rt = draft_rt
+        self.ctx, self.vocab, self.batch = draft_rt._engine()
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.greedy = llama_cpp.llama_sampler_init_greedy()
+        self.toks: list[int] = []
+
+    def reset(self, tokens: Sequence[int], memory: Any = ()) -> None:
+        self.toks = list(tokens)
+
+    def push(self, token: int) -> None:
+        self.toks.append(token)
+
+    def draft(self, k: int) -> tuple[list[int], int]:
+        import llama_cpp
+
+        from edgellm.engine.decode import common_prefix, decode_prompt
+
+        kv = self.rt._kv
+        toks = self.toks
+        if len(toks) + k + 1 >= self.rt.n_ctx:
+            return [], -1
+        keep = min(common_prefix(kv, toks), len(toks) - 1)
+        llama_cpp.llama_memory_seq_rm(self.mem, 0, keep, -1)
+        del kv[keep:]
+        decode_prompt(self.ctx, self.batch, toks[keep:], keep)
+        kv.extend(toks[keep:])
+        out: list[int] = []
+        b = self.batch
+        for j in range(k):
+            t = int(llama_cpp.llama_sampler_sample(self.greedy, self.ctx, -1))
+            if llama_cpp.llama_vocab_is_eog(self.vocab, t):
+                break
+            out.append(t)
+            if j == k - 1:
+                break
+            b.clear()
+            b.add(t, len(kv), 0, True)
+            if b.decode(self.ctx) != 0:
+                break
+            kv.append(t)
+        return out, -1
+
+    def close(self) -> None:
+        import llama_cpp
+
+        if self.greedy:
+            llama_cpp.llama_sampler_free(self.greedy)
+            self.greedy = None
+
+
+def check_compatible(target: Any, draft: Any, *, names: tuple[str, str] = ("target", "draft")) -> None:
+    """Refuse a draft model whose tokens do not mean the target's: vocabulary type, size, BOS/EOS, token texts.
+
+    Raises `DraftMismatch` naming the first difference (llama.cpp's own check,
+    common_speculative_are_compatible, compares the same things).
+    """
+    import llama_cpp
+
+    vt, vd = target.llm._model.vocab, draft.llm._model.vocab
+    a, b = names
+
+    def differ(what: str, x: Any, y: Any) -> None:
+        raise DraftMismatch(f"{b} model cannot draft for {a}: {what} differs ({a}: {x}, {b}: {y})")
+
+    for what, fn in (("vocabulary type", llama_cpp.llama_vocab_type), ("vocabulary size", llama_cpp.llama_vocab_n_tokens),
+                     ("BOS token", llama_cpp.llama_vocab_bos), ("EOS token", llama_cpp.llama_vocab_eos),
+                     ("add-BOS flag", llama_cpp.llama_vocab_get_add_bos)):
+        x, y = fn(vt), fn(vd)
+        if x != y:
+            differ(what, x, y)
+    buf_t, buf_d = ctypes.create_string_buffer(256), ctypes.create_string_buffer(256)
+    for tok in range(int(llama_cpp.llama_vocab_n_tokens(vt))):
+        nt = llama_cpp.llama_token_to_piece(vt, tok, buf_t, 256, 0, True)
+        nd = llama_cpp.llama_token_to_piece(vd, tok, buf_d, 256, 0, True)
+        if nt != nd or buf_t.raw[:max(nt, 0)] != buf_d.raw[:max(nd, 0)]:
+            differ(f"token {tok}", buf_t.raw[:max(nt, 0)], buf_d.raw[:max(nd, 0)])
+
+
+__all__ = ["Speculator", "DraftPolicy", "VerifyCost", "DraftCounters", "ModelDrafter", "NgramDrafter", "check_compatible",
+           "DraftMismatch", "DRAFT_MODES", "DEFAULT_DRAFT_MAX", "prior_ratio"]
