@@ -7,6 +7,11 @@ disagree. The parts follow what llama.cpp allocates on the CPU backend
 `compute buffer`, for SmolLM2-135M at ctx 512-8192):
 
 - weights: the GGUF's tensor bytes (mmapped; they count in RSS once read);
+- repacked weights: on CPUs with the kernels for them, llama.cpp copies the
+  matmul weights of some types (Q4_0, Q4_K, IQ4_NL with AVX2, Q2_K with
+  AVX-512, more on Arm) into an interleaved layout in anonymous memory at
+  load, while the mapped file pages it read them from stay resident: those
+  bytes count twice (`repacked_bytes`);
 - KV cache: 2 (K and V) x layers x ctx x n_embd_kv x bytes per element of
   the cache type (llama.cpp clears the buffer at load, so all of it is resident);
 - compute buffers: sized for one micro-batch (n_ubatch tokens): the larger of
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from edgellm.errors import InsufficientResources
 from edgellm.fsutil import human_size
@@ -45,6 +50,26 @@ KV_BYTES_PER_ELEM = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1
                      "q4_1": 20 / 32, "q4_0": 18 / 32}
 
 
+# What the pinned llama.cpp's CPU backend repacks (ggml-cpu/repack.cpp,
+# ggml_repack_get_optimal_repack_type): by the CPU feature (llama.cpp's spelling,
+# as engine.hardware.cpu_features reports it) that enables the repacked kernel.
+REPACKED_TYPES = {
+    "AVX2": ("Q4_0", "Q4_K", "IQ4_NL", "MXFP4"),
+    "AVX512": ("Q2_K",),
+    "MATMUL_INT8": ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0"),
+    "DOTPROD": ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "Q8_0", "MXFP4"),
+}
+
+
+def repacked_types(features: Optional[Sequence[str]] = None) -> frozenset[str]:
+    """The tensor types this CPU's llama.cpp build copies into a repacked layout at load."""
+    if features is None:
+        from edgellm.engine.hardware import cpu_features  # reads /proc/cpuinfo; only when a GGUF is estimated
+
+        features = cpu_features()
+    return frozenset(t for f in features for t in REPACKED_TYPES.get(f, ()))
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     weights_bytes: int
@@ -54,10 +79,11 @@ class MemoryEstimate:
     ctx: int
     kv_type: str
     n_layers: int
+    repacked_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.compute_bytes + self.process_bytes
+        return self.weights_bytes + self.repacked_bytes + self.kv_bytes + self.compute_bytes + self.process_bytes
 
     def per_layer_bytes(self) -> int:
         """Weights and KV cache of one repeating layer: what offloading one layer moves."""
@@ -66,13 +92,15 @@ class MemoryEstimate:
         return (self.weights_bytes + self.kv_bytes) // self.n_layers
 
     def describe(self) -> str:
-        return (f"needs ~{human_size(self.total_bytes)} at ctx {self.ctx} (weights {human_size(self.weights_bytes)}"
+        repacked = f" + repacked copy {human_size(self.repacked_bytes)}" if self.repacked_bytes else ""
+        return (f"needs ~{human_size(self.total_bytes)} at ctx {self.ctx} (weights {human_size(self.weights_bytes)}{repacked}"
                 f" + KV cache {human_size(self.kv_bytes)} {self.kv_type} + compute {human_size(self.compute_bytes)}"
                 f" + process {human_size(self.process_bytes)})")
 
     def to_json(self) -> dict[str, Any]:
         return {"total_bytes": self.total_bytes, "weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes,
-                "compute_bytes": self.compute_bytes, "process_bytes": self.process_bytes, "ctx": self.ctx,
+                "compute_bytes": self.compute_bytes, "process_bytes": self.process_bytes,
+                "repacked_bytes": self.repacked_bytes, "ctx": self.ctx,
                 "kv_type": self.kv_type}
 
 
@@ -85,8 +113,9 @@ def kv_bytes_per_token(shape: ModelShape, kv_type: str = "f16") -> int:
 
 
 def estimate(shape: ModelShape, *, ctx: int = DEFAULT_CTX, kv_type: str = "f16",
-             n_ubatch: int = DEFAULT_UBATCH) -> MemoryEstimate:
-    """Peak memory of one process holding this model at `ctx` with a `kv_type` cache."""
+             n_ubatch: int = DEFAULT_UBATCH, features: Optional[Sequence[str]] = None) -> MemoryEstimate:
+    """Peak memory of one process holding this model at `ctx` with a `kv_type` cache
+    (`features`: the CPU's, llama.cpp spelling; this machine's when None)."""
     ub = max(1, min(n_ubatch, ctx))
     n_vocab = shape.vocab_size or 32000
     n_head = shape.head_count or 1
@@ -102,7 +131,17 @@ def estimate(shape: ModelShape, *, ctx: int = DEFAULT_CTX, kv_type: str = "f16",
         ctx=ctx,
         kv_type=kv_type,
         n_layers=shape.block_count,
+        repacked_bytes=repacked_bytes(shape, features),
     )
+
+
+def repacked_bytes(shape: ModelShape, features: Optional[Sequence[str]] = None) -> int:
+    """The anonymous copy llama.cpp's CPU backend makes of this model's repackable weights."""
+    candidates = getattr(shape, "repack_candidate_bytes", None)
+    if not candidates:
+        return 0
+    kinds = repacked_types(features)
+    return sum(n for t, n in candidates.items() if t in kinds)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,17 @@ class GGUFInfo:
     chat_template: Optional[str]
     split_count: int = 1
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Matmul weights (2-D, not an embedding table read by row) whose row count is a multiple
+    # of 8, bytes by type: what llama.cpp's CPU backend may repack into a copy of its own.
+    repack_candidate_bytes: dict[str, int] = field(default_factory=dict)
+    # The token embedding is read one row per token, unless it is also the output matrix (tied).
+    token_embd_bytes: int = 0
+    tied_output: bool = False
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Weight bytes one generated token reads: every matrix once, the embedding table only if it is the output."""
+        return self.tensor_bytes - (0 if self.tied_output else self.token_embd_bytes)
 
     @property
     def bpw(self) -> float:

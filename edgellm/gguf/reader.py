@@ -29,6 +29,9 @@ from edgellm.gguf.validate import check_tensor_data, check_tiling, cross_check
 
 log = logging.getLogger(__name__)
 
+# Tables llama.cpp reads by row (GET_ROWS), never as a matmul weight: never repacked.
+_ROW_TABLES = ("token_embd", "position_embd", "token_types")
+
 
 def read_gguf(path: Path | str, *, check: bool = True) -> GGUFInfo:
     """Parse and validate a GGUF file. Raises `GGUFError` with a one-line reason."""
@@ -57,6 +60,11 @@ def read_gguf(path: Path | str, *, check: bool = True) -> GGUFInfo:
         return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
 
     template = fields.get("tokenizer.chat_template")
+    repack: Counter = Counter()
+    for t in tensors:
+        if len(t.shape) == 2 and t.shape[1] % 8 == 0 and t.name.split(".")[0] not in _ROW_TABLES:
+            repack[t.type_name] += t.n_bytes
+    names = {t.name: t for t in tensors}
     info = GGUFInfo(
         path=path,
         size_bytes=size,
@@ -78,6 +86,9 @@ def read_gguf(path: Path | str, *, check: bool = True) -> GGUFInfo:
         chat_template=template if isinstance(template, str) else None,
         split_count=split_count,
         metadata={k: v for k, v in fields.items() if not isinstance(v, list) and k != "tokenizer.chat_template"},
+        repack_candidate_bytes=dict(sorted(repack.items())),
+        token_embd_bytes=names["token_embd.weight"].n_bytes if "token_embd.weight" in names else 0,
+        tied_output="output.weight" not in names and "token_embd.weight" in names,
     )
     if check:
         cross_check(info, parsed, size)
