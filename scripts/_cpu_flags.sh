@@ -8,28 +8,43 @@
 # the SIMD extensions the kernel reports in /proc/cpuinfo, never AMX.
 
 LLAMA_CPP_PYTHON_VERSION="0.3.36"
+# The one CPU-feature table (cmake option, ggml name, /proc/cpuinfo and sysctl spellings), shared
+# with edgellm.engine.cpu_features: a spelling fixed there is fixed here.
+EDGELLM_CPU_TABLE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/edgellm/engine/cpu_features.tsv"
 EDGELLM_CACHE="${EDGELLM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/edgellm}"
 
+# The host's flags, one line, in the OS's spelling: /proc/cpuinfo (or the file
+# EDGELLM_CPUINFO names: recorded flag lines of another CPU), else macOS's sysctl.
+edgellm_host_flags() {
+    local info="${EDGELLM_CPUINFO:-/proc/cpuinfo}"
+    if [ -r "$info" ]; then
+        grep -m1 -E '^(flags|Features)' "$info" | cut -d: -f2
+    elif [ "$(uname -s)" = "Darwin" ]; then
+        sysctl -n machdep.cpu.features machdep.cpu.leaf7_features 2>/dev/null | tr '\n' ' '
+    fi
+}
+
+# -DGGML_<X>=ON|OFF for the table's x86 build rows, in the table's order: ON
+# exactly when the kernel lists the feature, AMX always OFF.
+edgellm_cpu_build_args() {
+    local os=linux
+    [ -r "${EDGELLM_CPUINFO:-/proc/cpuinfo}" ] || os=macos
+    awk -F'\t' -v flags=" $(edgellm_host_flags) " -v os="$os" '
+        /^#/ || $1 == "cmake" || $5 != "x86" || $6 == "-" { next }
+        { name = (os == "linux") ? $3 : $4; on = ($6 == "host" && index(flags, " " name " ") > 0) ? "ON" : "OFF"
+          out = out (out == "" ? "" : " ") "-D" $1 "=" on }
+        END { print out }' "$EDGELLM_CPU_TABLE"
+}
+
 edgellm_cmake_args() {
-    local gpu="${1:-}" args arch flags
+    local gpu="${1:-}" args arch
     arch="$(uname -m)"
     # GGML_RPC: `edgellm worker` and `--rpc` reach llama.cpp's RPC backend
     # through ctypes; it is a small, plain-C backend, so every build has it.
     args="-DLLAVA_BUILD=OFF -DGGML_RPC=ON"
     case "$arch" in
         x86_64|amd64)
-            flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
-            if [ "$(uname -s)" = "Darwin" ]; then
-                flags=" $(sysctl -n machdep.cpu.features machdep.cpu.leaf7_features 2>/dev/null | tr 'A-Z.' 'a-z_') "
-            fi
-            has() { case "$flags" in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
-            args="$args -DGGML_NATIVE=OFF"
-            args="$args -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2)"
-            args="$args -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c) -DGGML_BMI2=$(has bmi2)"
-            args="$args -DGGML_AVX_VNNI=$(has avx_vnni)"
-            args="$args -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VBMI=$(has avx512vbmi)"
-            args="$args -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16)"
-            args="$args -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+            args="$args -DGGML_NATIVE=OFF $(edgellm_cpu_build_args)"
             ;;
         *)
             args="$args -DGGML_NATIVE=ON"

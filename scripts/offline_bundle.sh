@@ -52,12 +52,13 @@ fi
 [ -f "$LLAMA_WHEEL" ] || fail "no llama-cpp-python $LLAMA_CPP_PYTHON_VERSION wheel in $EDGELLM_CACHE/wheels: run scripts/setup.sh (or setup.sh --portable)"
 case "$(dirname "$LLAMA_WHEEL")" in */portable-*) PORTABLE=true ;; esac
 # A host-flags wheel runs only on CPUs with the same SIMD extensions: the
-# target's install.sh checks them (the flags set ON, by their /proc/cpuinfo names).
-NEEDS=""
+# target's install.sh checks them, by ggml's names, through the one table
+# (edgellm/engine/cpu_features.tsv, carried in check/ with its reader).
+NEEDS="" NEEDS_LINUX=""
 if ! $PORTABLE; then
-    NEEDS="$(printf '%s\n' $HOST_ARGS | sed -n 's/^-DGGML_\(AVX\|AVX2\|FMA\|F16C\|BMI2\|AVX_VNNI\|AVX512\|AVX512_VBMI\|AVX512_VNNI\|AVX512_BF16\)=ON$/\1/p' \
-        | tr 'A-Z' 'a-z' | sed 's/^avx512$/avx512f/' | tr '\n' ' ')"
-    say "note: $(basename "$LLAMA_WHEEL") carries this machine's CPU flags ($NEEDS); targets need them too. scripts/setup.sh --portable builds one for every x86-64 CPU"
+    NEEDS="$("$VPY" -m edgellm.engine.cpu_features needs "$HOST_ARGS")"
+    NEEDS_LINUX="$("$VPY" -m edgellm.engine.cpu_features linux $NEEDS)"
+    say "note: $(basename "$LLAMA_WHEEL") carries this machine's CPU flags ($NEEDS_LINUX); targets need them too. scripts/setup.sh --portable builds one for every x86-64 CPU"
 fi
 
 TMP="$(dirname "$DEST")/.$(basename "$DEST").partial-$$"
@@ -107,17 +108,21 @@ if [ ${#MODELS[@]} -gt 0 ]; then
     "$ROOT/.venv/bin/edgellm" export "${MODELS[@]}" --to "$TMP/models" --json >/dev/null
 fi
 cp scripts/offline_install.sh "$TMP/install.sh"
+mkdir -p "$TMP/check"
+cp edgellm/engine/cpu_features.py edgellm/engine/cpu_features.tsv "$TMP/check/"
 chmod +x "$TMP/install.sh"
 
-"$VPY" - "$TMP" "$PYVERS" "$(basename "$LLAMA_WHEEL")" "$PORTABLE" "$NEEDS" "$EVERSION" "${MODELS[@]}" <<'EOF'
+"$VPY" - "$TMP" "$PYVERS" "$(basename "$LLAMA_WHEEL")" "$PORTABLE" "$NEEDS" "$NEEDS_LINUX" "$EVERSION" "${MODELS[@]}" <<'EOF'
 import hashlib, json, sys, time
 from pathlib import Path
-root, pyvers, llama, portable, needs, version, *models = sys.argv[1:]
+root, pyvers, llama, portable, needs, needs_linux, version, *models = sys.argv[1:]
 meta = {
     "format": "edgellm-offline-bundle", "version": 1,
     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     "edgellm_version": version, "python": pyvers.split(","), "platform": "linux-x86_64",
-    "llama_cpp_python": {"wheel": llama, "portable": portable == "true", "cpu_flags": needs.split()},
+    # cpu_features: ggml's names, checked by install.sh; cpu_flags: the same in /proc/cpuinfo's spelling, to read
+    "llama_cpp_python": {"wheel": llama, "portable": portable == "true", "cpu_features": needs.split(),
+                         "cpu_flags": needs_linux.split()},
     "models": models,
 }
 (Path(root) / "bundle.json").write_text(json.dumps(meta, indent=1) + "\n")

@@ -82,15 +82,19 @@ if ver not in meta.get("python", []):
 machine = f"{sys.platform}-{platform.machine().lower()}".replace("amd64", "x86_64")
 if machine != meta.get("platform"):
     refuse(f"this bundle was made for {meta.get('platform')}, this machine is {machine}")
-needs = meta.get("llama_cpp_python", {}).get("cpu_flags", [])
+needs = meta.get("llama_cpp_python", {}).get("cpu_features", [])
 if needs:
-    try:
-        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split(":", 1)[1].split()
-    except (OSError, StopIteration):
-        flags = needs  # no /proc/cpuinfo: the doctor self-test below is the check
-    missing = [f for f in needs if f not in flags]
-    if missing:
-        refuse(f"this bundle's llama.cpp was built for CPUs with {' '.join(missing)}, which this CPU lacks "
+    # the one CPU-feature table and its reader, as the bundle carries them (checked against SHA256SUMS above)
+    import importlib.util
+    sys.dont_write_bytecode = True  # the bundle stays as SHA256SUMS lists it (and may be read-only)
+    spec = importlib.util.spec_from_file_location("cpu_features", root / "check" / "cpu_features.py")
+    cpu = importlib.util.module_from_spec(spec)
+    sys.modules["cpu_features"] = cpu  # dataclasses look their module up by name
+    spec.loader.exec_module(cpu)
+    host = cpu.host_flags()  # EDGELLM_CPUINFO=FILE reads another CPU's recorded flags instead
+    lack = cpu.missing(needs, host) if host is not None else []  # nothing to read: the doctor's self-test is the check
+    if lack:
+        refuse(f"this bundle's llama.cpp was built for CPUs with {', '.join(f.label() for f in lack)}, which this CPU lacks "
                "(make the bundle from a portable build: scripts/setup.sh --portable)")
 EOF
 

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from support.helpers import DEFAULT_NAME, ROOT, register_default
 from support.helpers import DEFAULT_SHA256 as DEFAULT_SHA
+from support.helpers import shared_cache
+
 # The interpreter behind .venv: a plain Python, as a target machine has.
 BASE_PYTHON = os.path.realpath(sys.executable)
 PY_VERSION = "%d.%d" % sys.version_info[:2]
@@ -40,12 +42,14 @@ def target_env(tmp: Path) -> dict[str, str]:
             "PYTHON": BASE_PYTHON, "LANG": "C.UTF-8"}
 
 
-def run_install(bundle: Path, tmp: Path, *, namespace: bool = True) -> subprocess.CompletedProcess:
+def run_install(bundle: Path, tmp: Path, *, namespace: bool = True, cpuinfo: Path | None = None) -> subprocess.CompletedProcess:
+    """install.sh as a target runs it; `cpuinfo`: that CPU's recorded flags instead of this one's."""
     cmd = ["bash", str(bundle / "install.sh"), "--venv", str(tmp / "venv")]
     if namespace:
         cmd = ["unshare", "-n", "--", *cmd]
     (tmp / "home").mkdir(parents=True, exist_ok=True)
-    return subprocess.run(cmd, env=target_env(tmp), capture_output=True, text=True, timeout=900, cwd=tmp)
+    env = target_env(tmp) | ({"EDGELLM_CPUINFO": str(cpuinfo)} if cpuinfo else {})
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp)
 
 
 def write_sums(bundle: Path) -> None:
@@ -171,3 +175,43 @@ def test_the_builder_refuses_a_non_empty_destination(tmp_path):
     proc = subprocess.run([str(ROOT / "scripts" / "offline_bundle.sh"), str(tmp_path / "dest")], capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stderr.strip() == f"offline_bundle.sh: {tmp_path / 'dest'} exists and is not empty"
     assert (tmp_path / "dest" / "keep.txt").read_text() == "mine"
+
+
+CPUINFO = Path(__file__).parent / "data" / "cpuinfo"
+ZEN4, ZEN2 = CPUINFO / "zen4-epyc-9654.txt", CPUINFO / "zen2-epyc-7742.txt"
+
+
+@pytest.fixture(scope="module")
+def avx512_bundle(default_gguf, tmp_path_factory) -> Path:
+    """A bundle made on an AVX-512 EPYC (Zen 4: `avx512vbmi` beside `avx512_vbmi2`), from its recorded
+    flags: setup's flag set for that CPU, and this machine's wheel carried under it (what runs here)."""
+    home = tmp_path_factory.mktemp("bundle-home-zen4")
+    register_default(default_gguf, home)
+    dest = tmp_path_factory.mktemp("usb-zen4") / "edgellm-bundle"
+    wheel = next((shared_cache() / "wheels").glob("[0-9a-f]*/llama_cpp_python-*.whl"))
+    env = dict(os.environ, EDGELLM_HOME=str(home), EDGELLM_CPUINFO=str(ZEN4))
+    proc = subprocess.run([str(ROOT / "scripts" / "offline_bundle.sh"), str(dest), "--model", DEFAULT_NAME,
+                           "--llama-wheel", str(wheel)], env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dest
+
+
+def test_a_bundle_made_on_an_avx512_cpu_names_its_flags_in_both_spellings(avx512_bundle):
+    meta = json.loads((avx512_bundle / "bundle.json").read_text())["llama_cpp_python"]
+    assert meta["portable"] is False
+    assert meta["cpu_features"] == ["AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"]
+    assert meta["cpu_flags"] == ["avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512vbmi", "avx512_vnni", "avx512_bf16"]
+
+
+def test_a_bundle_made_on_an_avx512_cpu_installs_on_that_cpu(avx512_bundle, tmp_path):
+    proc = run_install(avx512_bundle, tmp_path, namespace=False, cpuinfo=ZEN4)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "self-test         passed: 8 tokens" in proc.stdout, proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith(f"next: {tmp_path / 'venv'}/bin/edgellm chat {DEFAULT_NAME}")
+
+
+def test_a_bundle_made_on_an_avx512_cpu_is_refused_on_an_avx2_cpu_naming_each_missing_flag(avx512_bundle, tmp_path):
+    line = _refused(run_install(avx512_bundle, tmp_path, namespace=False, cpuinfo=ZEN2), tmp_path)
+    assert line == ("error: this bundle's llama.cpp was built for CPUs with AVX512 (avx512f), AVX512_VBMI (avx512vbmi), "
+                    "AVX512_VNNI (avx512_vnni), AVX512_BF16 (avx512_bf16), which this CPU lacks "
+                    "(make the bundle from a portable build: scripts/setup.sh --portable); nothing was installed")

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from support.helpers import ROOT, CliResult
 
-from edgellm.engine import backends
+from edgellm.engine import backends, cpu_features
 
 PORTABLE_VENV = Path(os.environ.get("EDGELLM_PORTABLE_VENV", ROOT / ".venv-portable"))
 GREEDY = ["--temperature", "0", "--top-k", "1", "--seed", "1", "--no-history", "--ctx", "512"]
@@ -54,7 +54,8 @@ def pcli(py: Path, cache: Path, *args, env: dict | None = None, timeout: float =
 def best_enabled_variant(present: list[str]) -> str:
     """The widest x86 level whose every feature the kernel lists: worked out from /proc/cpuinfo alone."""
     flags = backends.cpu_flags()
-    ok = [n for n in present if n in backends.VARIANT_FEATURES and all(f in flags for f in backends.VARIANT_FEATURES[n])]
+    ok = [n for n in present if n in backends.VARIANT_FEATURES
+          and all(cpu_features.BY_GGML[f].linux in flags for f in backends.VARIANT_FEATURES[n])]
     return max(ok, key=lambda n: len(backends.VARIANT_FEATURES[n]))
 
 

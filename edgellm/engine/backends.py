@@ -38,6 +38,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from edgellm.engine import cpu_features as cpu_table
 from edgellm.errors import RuntimeFailure
 
 _PREFIX = "libggml-cpu-"
@@ -47,20 +48,18 @@ FORCE_ENV = "EDGELLM_CPU_BACKEND"
 # variant using instructions the OS does not enable would: proves the fallback on any CPU.
 BREAK_ENV = "EDGELLM_BACKEND_BREAK"
 
-_SSE42 = ["sse4_2"]
-_AVX = _SSE42 + ["avx"]
-_HSW = _AVX + ["f16c", "fma", "avx2", "bmi2"]
-_512 = _HSW + ["avx512f"]
-# What each x86 variant is compiled for (ggml/src/CMakeLists.txt), in /proc/cpuinfo spelling
-# ("avx512vbmi" is how Linux spells AVX512_VBMI).
-VARIANT_FEATURES: dict[str, list[str]] = {
-    "x64": [], "sse42": _SSE42, "sandybridge": _AVX, "ivybridge": _AVX + ["f16c"],
-    "piledriver": _AVX + ["f16c", "fma"], "haswell": _HSW, "alderlake": _HSW + ["avx_vnni"],
-    "skylakex": _512, "cannonlake": _512 + ["avx512vbmi"], "cascadelake": _512 + ["avx512_vnni"],
-    "icelake": _512 + ["avx512vbmi", "avx512_vnni"], "cooperlake": _512 + ["avx512_vnni", "avx512_bf16"],
-    "zen4": _512 + ["avx512vbmi", "avx512_vnni", "avx512_bf16"],
-    "sapphirerapids": _512 + ["avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"],
-}
+# What each x86 variant is compiled for, in ggml's names, as ggml/src/CMakeLists.txt lists them
+# (ggml_add_cpu_backend_variant); the kernel's spelling of each is the one table's (engine.cpu_features).
+_HSW = "SSE42 AVX F16C FMA AVX2 BMI2"
+_512 = _HSW + " AVX512"
+VARIANT_FEATURES: dict[str, list[str]] = {name: feats.split() for name, feats in {
+    "x64": "", "sse42": "SSE42", "sandybridge": "SSE42 AVX", "ivybridge": "SSE42 AVX F16C",
+    "piledriver": "SSE42 AVX F16C FMA", "haswell": _HSW, "alderlake": _HSW + " AVX_VNNI",
+    "skylakex": _512, "cannonlake": _512 + " AVX512_VBMI", "cascadelake": _512 + " AVX512_VNNI",
+    "icelake": _512 + " AVX512_VBMI AVX512_VNNI", "cooperlake": _512 + " AVX512_VNNI AVX512_BF16",
+    "zen4": _512 + " AVX512_VBMI AVX512_VNNI AVX512_BF16",
+    "sapphirerapids": _512 + " AVX512_VBMI AVX512_VNNI AVX512_BF16 AMX_TILE AMX_INT8",
+}.items()}
 
 
 @dataclass
@@ -104,27 +103,18 @@ def variants(lib: Optional[Path] = None) -> dict[str, Path]:
     return {p.name[len(_PREFIX):-3]: p for p in sorted(lib.glob(_PREFIX + "*.so"))}
 
 
-def is_portable() -> bool:
-    return bool(variants())
-
-
 def cpu_flags() -> set[str]:
     """The flags the kernel lists: it leaves out what XSAVE/XCR0 does not enable (AVX-512, AMX state)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    host = cpu_table.host_flags()
+    return set(host.flags) if host is not None else set()
 
 
 def os_missing(name: str, flags: Optional[set[str]] = None) -> list[str]:
-    """Features variant `name` is built for that the kernel does not list (unknown names: none)."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or name not in VARIANT_FEATURES:
+    """Features variant `name` is built for that the kernel does not list, in its spelling (unknown names: none)."""
+    host = cpu_table.host_flags() if flags is None else cpu_table.HostFlags("linux", frozenset(flags), "given")
+    if host is None or host.arch != "x86" or name not in VARIANT_FEATURES:
         return []
-    flags = cpu_flags() if flags is None else flags
-    return [f for f in VARIANT_FEATURES[name] if f not in flags]
+    return [f.linux for f in cpu_table.missing(VARIANT_FEATURES[name], host)]
 
 
 _SCORE = (

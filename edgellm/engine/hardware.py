@@ -22,17 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-log = logging.getLogger(__name__)
+from edgellm.engine import cpu_features as cpu_table
 
-# Features worth reporting: /proc/cpuinfo's spelling (avx512vbmi has no underscore, avx512_vnni has one)
-# -> the spelling llama.cpp's system info uses.
-_X86_FEATURES = {
-    "pni": "SSE3", "ssse3": "SSSE3", "avx": "AVX", "avx2": "AVX2", "f16c": "F16C", "fma": "FMA",
-    "bmi2": "BMI2", "avx_vnni": "AVX_VNNI", "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI",
-    "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16", "amx_tile": "AMX_TILE",
-    "amx_int8": "AMX_INT8", "amx_bf16": "AMX_BF16",
-}
-_ARM_FEATURES = {"asimd": "NEON", "asimddp": "DOTPROD", "sve": "SVE", "i8mm": "MATMUL_INT8", "fphp": "FP16_VA"}
+log = logging.getLogger(__name__)
 
 SIGNAL_HINTS = {
     "SIGILL": "this build uses instructions your CPU/OS does not allow; rerun scripts/setup.sh",
@@ -59,17 +51,8 @@ def cpu_model() -> str:
 
 
 def cpu_features() -> list[str]:
-    """SIMD features the kernel reports as usable (XSAVE-enabled), llama.cpp spelling."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    table = _ARM_FEATURES if platform.machine().lower() in ("aarch64", "arm64") else _X86_FEATURES
-    return [name for key, name in table.items() if key in flags]
+    """SIMD features the kernel reports as usable (XSAVE-enabled), ggml's spelling (the one table)."""
+    return cpu_table.present(cpu_table.host_flags())
 
 
 def _system_info() -> dict[str, str]:
@@ -207,9 +190,10 @@ def doctor(*, model_path: Optional[Path] = None, run_self_test: bool = True) -> 
     cpu_f = cpu_features()
     info = _system_info()["raw"]
     comp = compiled_features()
-    comp_simd = [f for f in comp if f in set(_X86_FEATURES.values()) | set(_ARM_FEATURES.values())]
+    comp_simd = [f for f in comp if f in cpu_table.BY_GGML]
     warnings = []
-    missing = [f for f in cpu_f if f not in comp_simd and not f.startswith("AMX")]
+    # only what llama.cpp's system info would name can be missing from it; AMX is never built (scripts/_cpu_flags.sh)
+    missing = [f for f in cpu_f if f not in comp_simd and cpu_table.BY_GGML[f].shown and not f.startswith("AMX")]
     unsupported = [f for f in comp_simd if f not in cpu_f and f not in ("SSE3", "SSSE3", "NEON")]
     if missing:
         warnings.append(f"the CPU has {', '.join(missing)} but this build does not use them (slower than it could be)")
