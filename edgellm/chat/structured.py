@@ -20,6 +20,13 @@ from edgellm.fsutil import unreadable
 
 log = logging.getLogger(__name__)
 
+# Limits on a schema turned into a grammar (docs/server.md states them): the converter and
+# llama.cpp's grammar parser take time that grows with the schema, and a server builds grammars
+# for anyone who asks. 50,000 enum values took 15 s; these take well under a second.
+MAX_SCHEMA_BYTES = 64 * 1024
+MAX_SCHEMA_DEPTH = 64
+MAX_ENUM_VALUES = 1024  # enum and const values in the whole schema
+
 
 @dataclass
 class Constraint:
@@ -78,15 +85,7 @@ def from_json_schema(text: str, *, source: str = "") -> Constraint:
         schema = json.loads(text)
     except ValueError as e:
         raise UsageError(f"the JSON schema{_of(source)} is not valid JSON: {e}") from None
-    if not isinstance(schema, dict):
-        raise UsageError(f"the JSON schema{_of(source)} must be a JSON object")
-    import jsonschema
-
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.exceptions.SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path)
-        raise UsageError(f"invalid JSON schema{_of(source)}: {where + ': ' if where else ''}{e.message}"[:300]) from None
+    check_schema(schema, source=source)
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     try:
@@ -95,6 +94,48 @@ def from_json_schema(text: str, *, source: str = "") -> Constraint:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UsageError(f"cannot turn the JSON schema{_of(source)} into a grammar: {msg}"[:300]) from None
     return Constraint(gbnf=gbnf, schema=schema, source=source)
+
+
+def check_schema(schema: Any, *, source: str = "") -> None:
+    """A JSON Schema object within the size limits and valid against its meta-schema, or a one-line UsageError."""
+    if not isinstance(schema, dict):
+        raise UsageError(f"the JSON schema{_of(source)} must be a JSON object")
+    depth, values = _shape(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise UsageError(f"the JSON schema{_of(source)} is nested {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}")
+    if values > MAX_ENUM_VALUES:
+        raise UsageError(f"the JSON schema{_of(source)} has {values} enum/const values; the limit is {MAX_ENUM_VALUES}")
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_BYTES:
+        raise UsageError(f"the JSON schema{_of(source)} is {size} bytes; the limit is {MAX_SCHEMA_BYTES}")
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.exceptions.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise UsageError(f"invalid JSON schema{_of(source)}: {where + ': ' if where else ''}{e.message}"[:300]) from None
+
+
+def _shape(schema: Any) -> tuple[int, int]:
+    """(nesting depth, enum/const values), walked without recursion so a deep schema cannot overflow the stack."""
+    depth, values = 0, 0
+    stack = [(schema, 1)]
+    while stack:
+        node, d = stack.pop()
+        if d > depth:
+            depth = d
+        if d > MAX_SCHEMA_DEPTH:
+            break
+        if isinstance(node, dict):
+            if isinstance(node.get("enum"), list):
+                values += len(node["enum"])
+            if "const" in node:
+                values += 1
+            stack.extend((v, d + 1) for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, d + 1) for v in node if isinstance(v, (dict, list)))
+    return depth, values
 
 
 def from_gbnf(text: str, *, source: str = "") -> Constraint:

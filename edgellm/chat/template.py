@@ -49,6 +49,9 @@ FALLBACK_TEMPLATE = (
 FALLBACK_STOPS = ["\nUser:"]
 
 
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
 class TemplateError(EdgeLLMError):
     """A chat template that fails, is unsafe, or runs too long (one line)."""
 
@@ -87,7 +90,8 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True, **extra: Any) -> str:
         context = {
-            "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+            # Tool calls and tool results ride along for templates that render them (edgellm.serve.tools).
+            "messages": [{"role": m["role"], "content": m["content"], **{k: m[k] for k in _TOOL_KEYS if k in m}} for m in messages],
             "add_generation_prompt": add_generation_prompt,
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,

@@ -1,9 +1,10 @@
 """`GET /metrics`: the server's counters in Prometheus' text format (version 0.0.4).
 
-Requests are counted by HTTP status by an ASGI wrapper around the whole app
-(so a 400 from parsing counts as much as a 200 from a model); the rest comes
-from the model pool at scrape time: queue depth, active sequences, prompt,
-cached and generated tokens, prefix-cache hits and KV use per model.
+Requests are counted by HTTP status and by endpoint by an ASGI wrapper around
+the whole app (so a 400 from parsing counts as much as a 200 from a model);
+tool calls are counted by the routes that parse them; the rest comes from the
+model pool at scrape time: queue depth, active sequences, prompt, cached and
+generated tokens, prefix-cache hits, embedded inputs and tokens, KV use per model.
 """
 
 from __future__ import annotations
@@ -17,12 +18,21 @@ from typing import Any
 class Metrics:
     def __init__(self) -> None:
         self.by_status: collections.Counter = collections.Counter()
+        self.by_endpoint: collections.Counter = collections.Counter()  # (path, status)
+        self.tool_calls = 0
+        self.tool_replies = 0  # replies that called at least one tool
         self._lock = threading.Lock()
         self._last: dict[str, tuple[float, int]] = {}  # model → (time, generated) at the previous scrape
 
-    def count(self, status: int) -> None:
+    def count(self, status: int, path: str = "other") -> None:
         with self._lock:
             self.by_status[status] += 1
+            self.by_endpoint[(path, status)] += 1
+
+    def count_tool_calls(self, n: int) -> None:
+        with self._lock:
+            self.tool_calls += n
+            self.tool_replies += n > 0
 
     def render(self, pool: Any) -> str:
         out: list[str] = []
@@ -35,8 +45,14 @@ class Metrics:
 
         with self._lock:
             statuses = sorted(self.by_status.items())
+            endpoints = sorted(self.by_endpoint.items())
+            calls, replies = self.tool_calls, self.tool_replies
         metric("requests_total", "counter", "HTTP responses by status code.",
                [(f'{{status="{s}"}}', n) for s, n in statuses])
+        metric("endpoint_requests_total", "counter", "HTTP responses by endpoint and status code.",
+               [(f'{{endpoint="{_esc(p)}",status="{s}"}}', n) for (p, s), n in endpoints])
+        metric("tool_calls_total", "counter", "Tool calls returned to clients.", [("", calls)])
+        metric("tool_call_replies_total", "counter", "Replies that called at least one tool.", [("", replies)])
         per = pool.metrics()
         now = time.monotonic()
         rates = []
@@ -57,13 +73,19 @@ class Metrics:
         metric("generated_tokens_total", "counter", "Tokens generated.", by_model("generated_tokens"))
         metric("generated_tokens_per_second", "gauge", "Generated tokens per second since the previous scrape.",
                [(f'{{model="{_esc(n)}"}}', round(r, 3)) for n, r in rates])
+        metric("embedded_inputs_total", "counter", "Inputs embedded (/v1/embeddings, /api/embed).", by_model("embedded_inputs"))
+        metric("embedded_tokens_total", "counter", "Tokens of the inputs embedded.", by_model("embedded_tokens"))
         metric("kv_cells_used", "gauge", "KV cache cells in use (running sequences and cached prefixes).", by_model("kv_used"))
         metric("kv_cells", "gauge", "KV cache cells of the model's context (split between its sequence slots).", by_model("kv_cells"))
         return "\n".join(out) + "\n"
 
 
+ENDPOINTS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/health", "/metrics",
+                       "/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/tags", "/api/show", "/api/ps", "/api/version"})
+
+
 class CountStatus:
-    """ASGI middleware: every HTTP response counted by status in `metrics`."""
+    """ASGI middleware: every HTTP response counted by status and endpoint in `metrics`."""
 
     def __init__(self, app: Any, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
@@ -71,10 +93,13 @@ class CountStatus:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        # Known routes by name, the rest as one label: a client cannot grow the label set.
+        endpoint = path if path in ENDPOINTS else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
 
         async def send_counting(message):
             if message["type"] == "http.response.start":
-                self.metrics.count(int(message["status"]))
+                self.metrics.count(int(message["status"]), endpoint)
             await send(message)
 
         return await self.app(scope, receive, send_counting)

@@ -27,18 +27,17 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional
 
 from edgellm.engine.memory import DEFAULT_CTX
 from edgellm.engine.runtime import (
     Runtime,
     RuntimeOptions,
-    SamplingParams,
     default_threads,
 )
 from edgellm.errors import EdgeLLMError, UsageError
-from edgellm.progress import CancelToken
+from edgellm.serve.jobs import ApiError, Job, JobRequest, ModelSpec, client_gone, shutting_down
+from edgellm.serve.prompts import logprob_hook, prepare
 
 log = logging.getLogger(__name__)
 
@@ -53,64 +52,6 @@ def default_parallel() -> int:
     return max(4, min(8, default_threads()))
 
 
-class ApiError(Exception):
-    """An error with an HTTP status and an OpenAI-style body."""
-
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-             429: "rate_limit_error", 503: "server_error"}
-
-    def __init__(self, status: int, message: str, *, type: Optional[str] = None, param: Optional[str] = None,
-                 code: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type or self.TYPES.get(status, "server_error")
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def shutting_down() -> ApiError:
-    return ApiError(503, "the server is shutting down", code="server_shutting_down")
-
-
-def client_gone() -> ApiError:
-    return ApiError(499, "the request was cancelled before it ran (the client went away)", type="invalid_request_error", code="request_cancelled")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A store model the server may load."""
-
-    name: str
-    path: Path
-    context_length: int = 0
-
-
-@dataclass
-class JobRequest:
-    """One completion to run: what the HTTP layer parsed and validated."""
-
-    kind: str  # "chat" or "completion"
-    messages: Optional[list[dict[str, Any]]] = None
-    prompt: Union[str, list[int], None] = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: Optional[int] = None  # None: the rest of the context
-    constraint: Any = None  # an edgellm.chat.structured.Constraint from response_format
-
-
-class Job:
-    def __init__(self, request: JobRequest, emit: Callable[[tuple[str, Any]], None]) -> None:
-        self.request = request
-        self.emit = emit
-        self.cancel = CancelToken()
-        self.enqueued = time.perf_counter()
-
-
 @dataclass
 class _Slot:
     spec: ModelSpec
@@ -118,12 +59,15 @@ class _Slot:
     runtime: Optional[Runtime] = None
     template: Any = None  # edgellm.chat.template.ChatTemplate of the loaded runtime
     engine: Any = None  # edgellm.engine.batch.BatchEngine on the runtime
+    embedder: Any = None  # edgellm.engine.embed.Embedder, made at the first embeddings request
     running: set = field(default_factory=set)  # jobs seated in the engine
     admitting: int = 0
     loading: bool = False
     thread: Optional[threading.Thread] = None
     avg_job_seconds: float = 2.0  # moving average, for Retry-After
     served: int = 0
+    embedded_inputs: int = 0
+    embedded_tokens: int = 0
 
     @property
     def busy(self) -> bool:
@@ -201,7 +145,8 @@ class ModelPool:
                 out[name] = {"queued": len(s.jobs), "active": len(s.running), "slots": self.parallel,
                              "prompt_tokens": e.prompt_tokens if e else 0, "cached_tokens": e.cached_tokens if e else 0,
                              "generated_tokens": e.generated_tokens if e else 0, "cache_hits": e.cache_hits if e else 0,
-                             "kv_used": e.kv_tokens() if e else 0, "kv_cells": e.n_ctx if e else 0}
+                             "kv_used": e.kv_tokens() if e else 0, "kv_cells": e.n_ctx if e else 0,
+                             "embedded_inputs": s.embedded_inputs, "embedded_tokens": s.embedded_tokens}
             return out
 
     def loaded(self) -> list[str]:
@@ -298,8 +243,11 @@ class ModelPool:
             load_s = self._ensure_loaded(slot)
             rt = slot.runtime
             assert rt is not None
-            tokens, sampling = _prepare(rt, slot.template, job.request, slot.engine.n_ctx_seq)
-            job.emit(("start", {"prompt_tokens": len(tokens), "queue_ms": queue_s * 1000.0, "load_ms": load_s * 1000.0}))
+            info = {"queue_ms": queue_s * 1000.0, "load_ms": load_s * 1000.0}
+            if job.request.kind == "embed":
+                return self._embed(slot, job, info)
+            tokens, sampling, plan = prepare(rt, slot.template, job.request, slot.engine.n_ctx_seq)
+            job.emit(("start", {"prompt_tokens": len(tokens), "plan": plan, **info}))
 
             def emit(kind: str, value: Any, job: Job = job) -> None:
                 job.emit((kind, value))
@@ -310,7 +258,7 @@ class ModelPool:
                 slot.running.add(job)
                 if self._closing:  # begin_shutdown ran while this job was being prepared
                     job.cancel.cancel("the server is shutting down")
-            slot.engine.add(Sequence(tokens, sampling, emit, cancel=job.cancel))
+            slot.engine.add(Sequence(tokens, sampling, emit, cancel=job.cancel, on_token=logprob_hook(rt, job)))
             return
         except ApiError as e:
             err = e
@@ -324,14 +272,46 @@ class ModelPool:
         job.emit(("error", err))
         self._done(slot, job, "error")
 
+    def _embed(self, slot: _Slot, job: Job, info: dict[str, Any]) -> None:
+        """Embed a request's inputs at once, between two decode steps of the running batch."""
+        from edgellm.engine.embed import Embedder, InputTooLong  # lazy: llama_cpp
+
+        rt = slot.runtime
+        assert rt is not None
+        if slot.embedder is None:
+            slot.embedder = Embedder(rt, n_ctx=slot.engine.n_ctx_seq)
+        inputs = []
+        n_vocab = rt.llm.n_vocab()
+        for i, x in enumerate(job.request.inputs or []):
+            toks = rt.tokenize(x, add_bos=True, special=True) if isinstance(x, str) else list(x)
+            if any(t < 0 or t >= n_vocab for t in toks):
+                raise ApiError(400, f"input[{i}]: token ids must be in [0, {n_vocab})", param="input", code="invalid_value")
+            inputs.append(toks)
+        try:
+            res = slot.embedder.embed(inputs)
+        except InputTooLong as e:
+            raise ApiError(400, f"This model's maximum context length for embeddings is {e.limit} tokens. However, input[{e.index}] "
+                           f"resulted in {e.n_tokens} tokens. Please shorten it.", param="input", code="context_length_exceeded") from None
+        except UsageError as e:
+            raise ApiError(400, str(e), param="input", code="invalid_value") from None
+        with self._cond:
+            slot.embedded_inputs += len(inputs)
+            slot.embedded_tokens += res.prompt_tokens
+            slot.running.add(job)
+        job.emit(("start", {"prompt_tokens": res.prompt_tokens, **info}))
+        job.emit(("embeddings", res))
+        self._done(slot, job, "embed")
+
     def _unload(self, s: _Slot) -> None:
+        if s.embedder is not None:
+            s.embedder.close()
         if s.engine is not None:
             s.engine.close()
         if s.template is not None:
             s.template.close()
         if s.runtime is not None:
             s.runtime.close()
-        s.runtime, s.template, s.engine = None, None, None
+        s.runtime, s.template, s.engine, s.embedder = None, None, None, None
 
     def _ensure_loaded(self, slot: _Slot) -> float:
         """Load the slot's model if needed, evicting idle LRU models; returns the seconds spent loading."""
@@ -351,9 +331,10 @@ class ModelPool:
                             if victim is None:
                                 break
                             log.info("unloading %s to make room for %s", victim.spec.name, slot.spec.name)
-                            gone = _Slot(victim.spec, runtime=victim.runtime, template=victim.template, engine=victim.engine)
+                            gone = _Slot(victim.spec, runtime=victim.runtime, template=victim.template, engine=victim.engine,
+                                         embedder=victim.embedder)
                             victims.append(gone)
-                            victim.runtime, victim.template, victim.engine = None, None, None
+                            victim.runtime, victim.template, victim.engine, victim.embedder = None, None, None, None
                         if not self._full():
                             break
                     self._cond.wait(0.5)
@@ -401,50 +382,4 @@ class ModelPool:
         return total
 
 
-# -- prompts -------------------------------------------------------------------
-
-
-def _prepare(rt: Runtime, template: Any, req: JobRequest, n_ctx: int) -> tuple[list[int], SamplingParams]:
-    """The prompt's tokens and the request's sampling, checked against a slot's `n_ctx`; 400s for what does not fit."""
-    tokens, param = _prompt_tokens(rt, template, req)
-    n_prompt = len(tokens)
-    if n_prompt >= n_ctx:
-        raise ApiError(400, f"This model's maximum context length is {n_ctx} tokens. However, your "
-                       f"{'messages' if param == 'messages' else 'prompt'} resulted in {n_prompt} tokens. "
-                       "Please shorten it (or start the server with a larger --ctx).",
-                       param=param, code="context_length_exceeded")
-    if req.max_tokens is not None and n_prompt + req.max_tokens > n_ctx:
-        raise ApiError(400, f"This model's maximum context length is {n_ctx} tokens. However, you requested "
-                       f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the {param}, {req.max_tokens} in the "
-                       "completion). Please reduce the length of the prompt or max_tokens.",
-                       param="max_tokens", code="context_length_exceeded")
-    sampling = replace(req.sampling, max_tokens=req.max_tokens or (n_ctx - n_prompt))
-    if req.kind == "chat" and template.stop_strings:  # the fallback template's turn marker
-        sampling.stop = list(sampling.stop) + template.stop_strings
-    if req.constraint is not None:
-        try:
-            req.constraint.check(rt)  # llama.cpp's own parser, as `edgellm chat` checks it
-        except UsageError as e:
-            raise ApiError(400, f"response_format: {e}", param="response_format", code="invalid_schema") from None
-        sampling.grammar = req.constraint.gbnf
-    return tokens, sampling
-
-
-def _prompt_tokens(rt: Runtime, template: Any, req: JobRequest) -> tuple[list[int], str]:
-    if req.kind == "chat":
-        from edgellm.chat.session import template_tokens
-
-        try:
-            return template_tokens(rt, template, req.messages or []), "messages"
-        except Exception as e:  # raise_exception() in the template, a Jinja error, or a render over its time limit
-            raise ApiError(400, f"the model's chat template refused these messages: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
-                           param="messages", code="invalid_messages") from None
-    if isinstance(req.prompt, list):
-        n_vocab = rt.llm.n_vocab()
-        if not req.prompt or any(t < 0 or t >= n_vocab for t in req.prompt):
-            raise ApiError(400, f"prompt token ids must be non-empty and in [0, {n_vocab})", param="prompt")
-        return list(req.prompt), "prompt"
-    return rt.tokenize(req.prompt or "", add_bos=True, special=True), "prompt"
-
-
-__all__ = ["ApiError", "Job", "JobRequest", "ModelPool", "ModelSpec", "DEFAULT_CTX", "default_parallel"]
+__all__ = ["ApiError", "Job", "JobRequest", "ModelPool", "ModelSpec", "DEFAULT_CTX", "default_parallel", "client_gone", "shutting_down"]

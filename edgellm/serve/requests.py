@@ -17,7 +17,10 @@ from edgellm.chat import structured
 from edgellm.engine.runtime import SamplingParams
 from edgellm.errors import EdgeLLMError, UsageError
 from edgellm.models.store import Store
-from edgellm.serve.pool import ApiError, JobRequest, ModelSpec
+from edgellm.serve import tools
+from edgellm.serve.jobs import ApiError, JobRequest, ModelSpec
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 _SAFE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+:-]{0,160}$")  # store names and catalog refs, never paths
 
@@ -28,6 +31,7 @@ _SAFE_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+:-]{0,160}$")  # store names a
 class _Models:
     def __init__(self, default_ref: Optional[str]) -> None:
         self.default: Optional[ModelSpec] = None
+        self._templates: dict[tuple[str, int], Optional[str]] = {}
         if default_ref:
             from edgellm.gguf.reader import read_gguf
             from edgellm.models.resolve import resolve
@@ -37,7 +41,18 @@ class _Models:
             name = res.record.name if res.record else res.path.stem
             self.default = ModelSpec(name, res.path, info.context_length)
 
+    def template_source(self, spec: ModelSpec) -> Optional[str]:
+        """The GGUF's chat template, read once per file (the tool format is chosen from it before the job is queued)."""
+        from edgellm.gguf.reader import read_gguf
+
+        key = (str(spec.path), spec.path.stat().st_mtime_ns)
+        if key not in self._templates:
+            self._templates = {key: read_gguf(spec.path).chat_template}  # one model at a time is the common case
+        return self._templates[key]
+
     def find(self, requested: Optional[str]) -> ModelSpec:
+        if requested and requested.endswith(":latest"):  # Ollama's default tag: the model itself
+            requested = requested[: -len(":latest")]
         if not requested:
             if self.default is None:
                 raise ApiError(400, "you must give a model (this server has no default model)", param="model", code="model_required")
@@ -95,9 +110,8 @@ def _number(body: dict, key: str, lo: float, hi: float, *, integer: bool = False
 def _sampling(body: dict) -> tuple[SamplingParams, Optional[int]]:
     if body.get("n") not in (None, 1):
         raise _bad("only n=1 is supported", "n", "unsupported_value")
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
-        key = "echo" if body.get("echo") else "logprobs"
-        raise _bad(f"'{key}' is not supported by this server", key, "unsupported_parameter")
+    if body.get("echo"):
+        raise _bad("'echo' is not supported by this server", "echo", "unsupported_parameter")
     max_tokens = _number(body, "max_completion_tokens", 1, 1 << 31, integer=True)
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", 1, 1 << 31, integer=True)
@@ -162,22 +176,44 @@ def _content_text(content: Any, i: int) -> Optional[str]:
     raise _bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content", "invalid_type")
 
 
+def _chat_logprobs(body: dict) -> Optional[int]:
+    lp, top = body.get("logprobs"), _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    if lp is not None and not isinstance(lp, bool):
+        raise _bad("'logprobs' must be a boolean", "logprobs", "invalid_type")
+    if top is not None and not lp:
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+    return (top or 0) if lp else None
+
+
 def parse_chat(body: dict) -> JobRequest:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("'messages' must be a non-empty list", "messages", "invalid_type")
-    if body.get("tools") or body.get("functions"):
-        raise _bad("tools and functions are not supported by this server", "tools", "unsupported_parameter")
-    messages = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _bad(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]", "invalid_type")
-        role = "system" if m["role"] == "developer" else m["role"]
-        if role not in ("system", "user", "assistant", "tool"):
-            raise _bad(f"messages[{i}].role '{m['role']}' is not one of system, developer, user, assistant, tool", f"messages[{i}].role", "invalid_value")
-        messages.append({"role": role, "content": _content_text(m.get("content"), i) or ""})
+    try:
+        tool_req = tools.parse_tools(body)
+        messages = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise _bad(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]", "invalid_type")
+            role = "system" if m["role"] == "developer" else m["role"]
+            if role not in ("system", "user", "assistant", "tool"):
+                raise _bad(f"messages[{i}].role '{m['role']}' is not one of system, developer, user, assistant, tool", f"messages[{i}].role", "invalid_value")
+            msg: dict[str, Any] = {"role": role, "content": _content_text(m.get("content"), i) or ""}
+            if role == "assistant" and m.get("tool_calls"):
+                msg["tool_calls"] = tools.parse_tool_calls(m["tool_calls"], i)
+            if role == "tool":
+                msg["tool_call_id"] = m.get("tool_call_id")
+            messages.append(msg)
+        tools.check_messages(messages)
+    except tools.ToolError as e:
+        raise _bad(str(e), e.param, e.code) from None
     sp, max_tokens = _sampling(body)
-    return JobRequest("chat", messages=messages, sampling=sp, max_tokens=max_tokens, constraint=_constraint(body))
+    constraint = _constraint(body)
+    if tool_req is not None and tool_req.offered() and constraint is not None:
+        raise _bad("'response_format' together with 'tools' is not supported by this server; send one of them",
+                   "response_format", "unsupported_parameter")
+    return JobRequest("chat", messages=messages, sampling=sp, max_tokens=max_tokens, constraint=constraint,
+                      tools=tool_req, logprobs=_chat_logprobs(body))
 
 
 def parse_completion(body: dict) -> JobRequest:
@@ -191,8 +227,34 @@ def parse_completion(body: dict) -> JobRequest:
     if body.get("suffix"):
         raise _bad("'suffix' is not supported by this server", "suffix", "unsupported_parameter")
     sp, max_tokens = _sampling(body)
+    lp = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
     return JobRequest("completion", prompt=p, sampling=sp, max_tokens=16 if max_tokens is None else max_tokens,
-                      constraint=_constraint(body))
+                      constraint=_constraint(body), logprobs=lp)
 
 
-__all__ = ["parse_chat", "parse_completion", "_Models", "_bad"]
+MAX_EMBED_INPUTS = 2048  # OpenAI's limit per request
+
+
+def parse_embeddings(body: dict, key: str = "input") -> tuple[JobRequest, str]:
+    """An embeddings body (`input`: a string, strings, token ids or lists of them) and its `encoding_format`."""
+    x = body.get(key)
+    if isinstance(x, str) or (isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)):
+        x = [x]
+    if not isinstance(x, list) or not x:
+        raise _bad(f"'{key}' must be a non-empty string, a list of strings, or token ids", key, "invalid_type")
+    if len(x) > MAX_EMBED_INPUTS:
+        raise _bad(f"'{key}' has {len(x)} items; the limit is {MAX_EMBED_INPUTS}", key, "invalid_value")
+    for i, item in enumerate(x):
+        ok = (isinstance(item, str) and item) or (isinstance(item, list) and item and
+                                                   all(isinstance(t, int) and not isinstance(t, bool) for t in item))
+        if not ok:
+            raise _bad(f"{key}[{i}] must be a non-empty string or a non-empty list of token ids", key, "invalid_value")
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise _bad("'encoding_format' must be 'float' or 'base64'", "encoding_format", "invalid_value")
+    if body.get("dimensions") is not None:
+        raise _bad("'dimensions' is not supported: this server returns the model's own embedding size", "dimensions", "unsupported_parameter")
+    return JobRequest("embed", inputs=x), fmt
+
+
+__all__ = ["parse_chat", "parse_completion", "parse_embeddings", "_Models", "_bad", "MAX_TOP_LOGPROBS"]
