@@ -44,7 +44,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from edgellm import paths
+from edgellm import paths, units
 from edgellm.engine.memory import DEFAULT_CTX, available_ram, weights_room
 from edgellm.errors import QuantizeError, UsageError
 from edgellm.fsutil import atomic_write_text, sha256_file
@@ -58,9 +58,6 @@ from quant.quantize import quantize
 from quant.recipe import FILE_TYPE, TYPES, llama_quantize_text, resolve_base, tt_overrides
 
 SAMPLE_ROWS = 256
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
 @dataclass
 class Budget:
     bytes: int
@@ -80,9 +77,13 @@ def parse_budget(text: str, info: Any, *, ctx: int = DEFAULT_CTX) -> Budget:
         return Budget(n, f"ram ({n / 1e6:.1f} MB free for weights beside a {ctx}-token KV cache)")
     if m := re.fullmatch(r"(\d+(?:\.\d+)?)bpw", t):
         return Budget(int(float(m.group(1)) * info.parameters / 8), text)
-    if m := re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]i?b|b)?", t):
-        return Budget(int(float(m.group(1)) * _UNITS[m.group(2) or ""]), text)
-    raise UsageError(f"--budget {text!r}: give a size (100MB, 95MiB), bits per weight (4.5bpw) or ram")
+    try:
+        n = units.parse_size(t, option="--budget")
+    except UsageError:
+        n = None
+    if n is None:
+        raise UsageError(f"--budget {text!r}: give a size (100MB, 95MiB; {units.SIZE_HELP}), bits per weight (4.5bpw) or ram")
+    return Budget(n, text)
 
 
 def _ggml() -> Any:

@@ -72,7 +72,7 @@ def _readline(stream, timeout: float) -> str:
 
 @pytest.fixture(scope="module")
 def workers():
-    ws = [Worker("--mem", "8G"), Worker("--mem", "8G")]
+    ws = [Worker("--mem", "8GiB"), Worker("--mem", "8GiB")]
     yield ws
     for w in ws:
         rc, err = w.stop()

@@ -17,7 +17,7 @@ from test_rpc import Worker, free_port
 
 @pytest.fixture(scope="module")
 def worker():
-    w = Worker("--mem", "1G")
+    w = Worker("--mem", "1GiB")
     yield w
     rc, err = w.stop()
     assert rc == 0 and "edgellm worker: stopped" in err, (rc, err)
@@ -70,7 +70,7 @@ def test_system_screen_lists_devices_and_probes_workers(worker):
     assert configured == f"{worker.address},127.0.0.1:{closed}"
     state, version, memory = rows[worker.address][1:]
     assert (state, version) == ("reachable", ".".join(map(str, local_version())))
-    assert memory.startswith("1.1 GB of ")  # --mem 1G, as the worker offers it
+    assert memory.startswith("1.1 GB of ")  # --mem 1GiB, as the worker offers it
     assert rows[f"127.0.0.1:{closed}"][1].startswith("connection refused (is `edgellm worker --port")
     assert "reachable" in shown and "connection refused" in shown
     assert after_bad == configured
@@ -177,7 +177,7 @@ def test_a_worker_killed_mid_reply_ends_that_reply_and_the_app_stays_up(default_
 
     from textual.widgets import Checkbox, DataTable, Input
 
-    victim = Worker("--mem", "1G")
+    victim = Worker("--mem", "1GiB")
 
     async def run():
         app = make(initial="system")

@@ -15,6 +15,7 @@ from edgellm.fsutil import human_size
 from edgellm.profile.bench import bench
 from edgellm.profile.bench_rpc import bench_rpc, render
 from edgellm.profile.results import write_plot
+from edgellm.units import SIZE_HELP
 
 CSV_FIELDS = [
     "model", "model_filename", "model_type", "model_size", "model_n_params", "test", "n_prompt", "n_gen",
@@ -35,7 +36,7 @@ CSV_FIELDS = [
 @click.option("--no-mmap", is_flag=True, help="Read the weights into private memory instead of mapping the file.")
 @click.option("--gpu-layers", default="0", show_default=True, help="Layers to offload: N, all, auto (what fits) or 0.")
 @click.option("--gpu-device", default=None, help="GPU device index or name (see `edgellm doctor`); needed for a software device.")
-@click.option("--gpu-mem", default=None, metavar="SIZE", help="Most memory to use on the device, e.g. 512M or 4G.")
+@click.option("--gpu-mem", default=None, metavar="SIZE", help=f"Most memory to use on the device, e.g. 512MB or 4GiB ({SIZE_HELP}).")
 @click.option("--mlock", is_flag=True, help="Lock the weights in RAM.")
 @click.option("--json", "fmt", flag_value="json", help="JSON rows (llama-bench's field names).")
 @click.option("--csv", "fmt", flag_value="csv", help="CSV rows.")

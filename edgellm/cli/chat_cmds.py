@@ -27,6 +27,7 @@ from edgellm.errors import Cancelled, EdgeLLMError, UsageError
 from edgellm.fsutil import atomic_write_text
 from edgellm.models.resolve import resolve
 from edgellm.progress import CancelToken
+from edgellm.units import SIZE_HELP
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def _show_plan(plan) -> None:
 @click.option("--ctx", "n_ctx", type=int, default=DEFAULT_CTX, show_default=True, help="Context size in tokens.")
 @click.option("--gpu-layers", default="0", show_default=True, help="Layers to offload: N, all, auto (what fits) or 0.")
 @click.option("--gpu-device", default=None, help="GPU device index or name (see `edgellm doctor`); needed for a software device.")
-@click.option("--gpu-mem", default=None, metavar="SIZE", help="Most memory to use on the device, e.g. 512M or 4G.")
+@click.option("--gpu-mem", default=None, metavar="SIZE", help=f"Most memory to use on the device, e.g. 512MB or 4GiB ({SIZE_HELP}).")
 @click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="KV cache type (q8_0/q4_0 use less memory).")
 @click.option("--mlock", is_flag=True, help="Lock the model in RAM.")
 @click.option("--no-mmap", is_flag=True, help="Read the model into memory instead of mapping it.")

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from edgellm.cli.output import emit_json, running_job
+from edgellm.units import SIZE_HELP
 
 
 @click.command("quantize")
@@ -24,7 +25,7 @@ from edgellm.cli.output import emit_json, running_job
                    "newest, else computed now on the shipped calibration text). Needed by iq1_*, iq2_*, iq3_xxs, "
                    "iq3_xs, q2_k_s.")
 @click.option("--budget", default=None, metavar="SIZE",
-              help="Instead of --level: the best file within SIZE (100MB, 95MiB, 4.5bpw, or ram), one type per tensor "
+              help=f"Instead of --level: the best file within SIZE (100MB, 95MiB, 4.5bpw, or ram; {SIZE_HELP}), one type per tensor "
                    "chosen from measured sensitivity on the calibration text. Uses --imatrix (default auto).")
 @click.option("--exclude-types", default="", metavar="LIST", help="Types --budget may not use (comma-separated, e.g. q4_1).")
 @click.option("--recipe", "recipe_file", type=click.Path(path_type=Path), default=None,

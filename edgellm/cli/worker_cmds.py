@@ -3,11 +3,19 @@ model commands share."""
 
 from __future__ import annotations
 
-import re
+import ipaddress
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import click
 
+from edgellm import units
 from edgellm.engine import rpc, rpc_native
 from edgellm.engine.rpc import prepare
 from edgellm.engine.runtime import default_threads
@@ -33,8 +41,6 @@ def prepare_rpc(path: Any, rpc: Optional[str], rpc_split: Optional[str], *, n_ct
     """Reach the workers and print the plan (stderr) before anything loads; None without --rpc."""
     if not rpc:
         if rpc_split:
-            from edgellm.errors import UsageError
-
             raise UsageError("--split needs --rpc")
         return None
 
@@ -45,32 +51,38 @@ def prepare_rpc(path: Any, rpc: Optional[str], rpc_split: Optional[str], *, n_ct
     return plan
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.I)
-
-
 def parse_mem(text: Optional[str]) -> Optional[int]:
-    """`--mem 4G`, `512MiB`, `2.5GB` → bytes (binary units: what RAM is sold in)."""
-    if text is None:
-        return None
-
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise UsageError(f"--mem: {text!r} is not a size like 4G or 512M")
-    n = float(m.group(1)) * (1 << (10 * "BKMGT".index((m.group(2) or "B").upper())))
-    if n < 1 << 20:
-        raise UsageError(f"--mem: {text!r} is less than 1 MiB")
-    return int(n)
+    """`--mem 4GB`, `512MiB` → bytes (edgellm.units' one convention); at least 1 MiB."""
+    return units.parse_size(text, option="--mem", minimum=1 << 20)
 
 
-def _is_loopback(ip: str) -> bool:
-    return ip.startswith("127.")
+def _listen_address(host: str) -> str:
+    """The IPv4 address llama.cpp's RPC server binds for --host. It splits HOST:PORT at the first colon and
+    opens an IPv4 socket (ggml-rpc.cpp), so IPv6 loopback is served on 127.0.0.1 (the same machine only) and
+    any other IPv6 address is refused rather than misread."""
+    h = host.strip().strip("[]")
+    try:
+        addr: Any = ipaddress.ip_address(h)
+    except ValueError:
+        addr = None
+    if addr is not None and addr.version == 6:
+        if addr.is_loopback:
+            return "127.0.0.1"
+        raise UsageError(f"--host {host}: llama.cpp's RPC server listens on IPv4 only; give an IPv4 address or name")
+    try:
+        return socket.gethostbyname(h)
+    except OSError:
+        raise UsageError(f"--host: cannot resolve {host!r}") from None
 
 
 @click.command("worker")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (IPv4). Anything but loopback needs --allow-network.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (IPv4; ::1 listens on 127.0.0.1). Anything but loopback (127.x, localhost, ::1) "
+                   "needs --allow-network.")
 @click.option("--port", default=50052, show_default=True, type=click.IntRange(1, 65535), help="TCP port.")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None, help="CPU threads (default: physical cores).")
-@click.option("--mem", "mem", default=None, metavar="SIZE", help="Memory to offer hosts, e.g. 4G (default: the RAM available now).")
+@click.option("--mem", "mem", default=None, metavar="SIZE",
+              help=f"Memory to offer hosts, e.g. 4GB or 4GiB ({units.SIZE_HELP}; default: the RAM available now).")
 @click.option("--cache", "cache_dir", type=click.Path(file_okay=False), default=None,
               help="Keep received weights here, so a host that loads the same model again sends only hashes.")
 @click.option("--allow-network", is_flag=True, help="Allow a non-loopback --host (the protocol has no authentication).")
@@ -82,21 +94,12 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
     \b
     Examples:
       edgellm worker                          # 127.0.0.1:50052, for a host on this machine or an SSH tunnel
-      edgellm worker --host 192.168.1.20 --allow-network --mem 12G
+      edgellm worker --host 192.168.1.20 --allow-network --mem 12GB
       edgellm chat MODEL --rpc 192.168.1.20:50052      # on the host
     """
-    import os
-    import socket
-    import sys
-    import threading
-    from pathlib import Path
-
     mem_bytes = parse_mem(mem)
-    try:
-        ip = socket.gethostbyname(host)
-    except OSError:
-        raise UsageError(f"--host: cannot resolve {host!r}") from None
-    if not _is_loopback(ip) and not allow_network:
+    ip = _listen_address(host)
+    if not units.is_loopback(ip) and not allow_network:
         raise UsageError(f"refusing to listen on {host} without --allow-network: {SECURITY}")
     _check_bind(ip, port)
     cache = None
@@ -126,13 +129,13 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
         msg = failed[0] if failed else "it did not answer its own hello"
         raise RuntimeFailure(f"the RPC worker on {ip}:{port} did not start: {msg}")
     free, _total = info.devices[0]
-    click.echo(f"edgellm worker: listening on {ip}:{port} (llama.cpp RPC protocol {'.'.join(map(str, info.version))}); "
-               f"offering {human_size(free)} on the CPU ({desc}, {n_threads} threads){'; cache ' + str(cache) if cache else ''}")
-    if not _is_loopback(ip):
-        click.echo(f"warning: {SECURITY}", err=True)
-    click.echo("Ctrl-C to stop", err=True)
-    _stop_on_signals()
+    _stop_on_signals()  # before the banner: a supervisor may stop us as soon as it reads it
     try:
+        click.echo(f"edgellm worker: listening on {ip}:{port} (llama.cpp RPC protocol {'.'.join(map(str, info.version))}); "
+                   f"offering {human_size(free)} on the CPU ({desc}, {n_threads} threads){'; cache ' + str(cache) if cache else ''}")
+        if not units.is_loopback(ip):
+            click.echo(f"warning: {SECURITY}", err=True)
+        click.echo("Ctrl-C to stop", err=True)
         while t.is_alive():
             t.join(0.5)
     except KeyboardInterrupt:
@@ -146,7 +149,6 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
 def _stop_on_signals() -> None:
     """Ctrl-C, and SIGTERM from a supervisor (systemd, docker stop), raise KeyboardInterrupt in the main
     thread; set explicitly because a worker started in the background of a script inherits SIGINT ignored."""
-    import signal
 
     def stop(_signum, _frame):
         raise KeyboardInterrupt
@@ -157,8 +159,6 @@ def _stop_on_signals() -> None:
 
 def _check_bind(ip: str, port: int) -> None:
     """Bind once here: a busy port is a one-line error (llama.cpp would only print "Failed to create server socket")."""
-    import socket
-
     probe_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     probe_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -171,9 +171,6 @@ def _check_bind(ip: str, port: int) -> None:
 
 def _quiet_native_stdout() -> None:
     """llama.cpp's server printf()s every connection on fd 1: send fd 1 to /dev/null, our own lines to a copy of it."""
-    import os
-    import sys
-
     sys.stdout.flush()
     out_fd = os.dup(1)
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -184,8 +181,6 @@ def _quiet_native_stdout() -> None:
 
 def _wait_ready(thread: Any, ip: str, port: int, timeout: float = 15.0) -> Any:
     """The worker's own hello, answered: its protocol and the memory it offers (None if it never answered)."""
-    import time
-
     deadline = time.monotonic() + timeout
     while thread.is_alive() and time.monotonic() < deadline:
         try:

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from edgellm import units
 from edgellm.engine import backends
 from edgellm.engine.memory import estimate
 from edgellm.errors import UsageError
@@ -312,16 +313,8 @@ class GpuPlan:
 
 
 def parse_size(text: Optional[str]) -> Optional[int]:
-    """`--gpu-mem`: 512M, 1.5G, 2GiB, or bytes."""
-    if text is None or str(text).strip() == "":
-        return None
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
-    if not m:
-        raise UsageError(f"--gpu-mem takes a size like 512M or 2G, not {text!r}")
-    n = float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2) or " ")))
-    if n <= 0:
-        raise UsageError(f"--gpu-mem must be more than 0 (got {text!r})")
-    return int(n)
+    """`--gpu-mem`: 512MB, 1.5GB, 2GiB, or bytes (edgellm.units' one convention)."""
+    return units.parse_size(text, option="--gpu-mem")
 
 
 def _parse_request(value: Union[int, str, None]) -> tuple[str, Optional[int]]:

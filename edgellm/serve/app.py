@@ -20,7 +20,6 @@ so the CLI stays fast.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import signal
 import socket
@@ -32,6 +31,7 @@ from edgellm import __version__
 from edgellm.engine.runtime import KV_BYTES_PER_ELEMENT, RuntimeOptions
 from edgellm.errors import UsageError
 from edgellm.fsutil import human_size
+from edgellm.units import is_loopback
 from edgellm.serve import ollama_routes, openai_routes
 from edgellm.serve.common import ServeContext, json_response
 from edgellm.serve.metrics import CountStatus, Metrics
@@ -62,15 +62,6 @@ def _rpc_options(config: ServerConfig) -> Any:
         return None
 
     return RuntimeOptions(rpc=config.rpc, rpc_split=config.rpc_split)
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def bind_warning(host: str, api_key: Optional[str]) -> Optional[str]:

@@ -25,7 +25,7 @@ FIELDS = [
     ("ctx", "Context (tokens)", str(RuntimeOptions().n_ctx), ""),
     ("gpu_layers", "GPU layers", "0", "N, all, auto or 0"),
     ("gpu_device", "GPU device", "", "auto (index or name, see System)"),
-    ("gpu_mem", "GPU memory", "", "no cap (e.g. 512M, 4G)"),
+    ("gpu_mem", "GPU memory", "", "no cap (e.g. 512MB, 4GiB)"),
     ("temperature", "Temperature", str(_S.temperature), ""),
     ("top_k", "Top-k", str(_S.top_k), ""),
     ("top_p", "Top-p", str(_S.top_p), ""),
