@@ -76,3 +76,14 @@ class Cancelled(EdgeLLMError):
     """The user cancelled a long job; nothing partial was kept."""
 
     exit_code = 130
+
+
+def one_line(e: BaseException, limit: int = 300, *, typed: bool = False) -> str:
+    """An exception as one line for a user: the first line of its message (its type's name when it has
+    none), at most `limit` characters. `typed`: prefixed with its type's name, for an exception nobody
+    expected (`internal error: KeyError: 'x'`), where the type is the clue."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else ""
+    if typed:
+        return f"{type(e).__name__}: {first}"[:limit] if first else type(e).__name__
+    return (first or type(e).__name__)[:limit]

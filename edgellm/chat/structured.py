@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from edgellm.errors import UsageError
+from edgellm.errors import UsageError, one_line
 from edgellm.fsutil import unreadable
 
 log = logging.getLogger(__name__)
@@ -91,8 +91,7 @@ def from_json_schema(text: str, *, source: str = "") -> Constraint:
     try:
         gbnf = json_schema_to_gbnf(json.dumps(schema))
     except Exception as e:  # the converter raises assorted types for unsupported features
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UsageError(f"cannot turn the JSON schema{_of(source)} into a grammar: {msg}"[:300]) from None
+        raise UsageError(f"cannot turn the JSON schema{_of(source)} into a grammar: {one_line(e)}"[:300]) from None
     return Constraint(gbnf=gbnf, schema=schema, source=source)
 
 

@@ -27,7 +27,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from edgellm.errors import EdgeLLMError
+from edgellm.errors import EdgeLLMError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -285,8 +285,7 @@ def _worker_main() -> None:
         except RecursionError:
             reply = {"error": "the template recursed too deeply"}
         except Exception as e:  # any template failure becomes one line for the user
-            msg = str(e).splitlines()[0] if str(e) else ""
-            reply = {"error": f"{type(e).__name__}: {msg}"[:300]}
+            reply = {"error": one_line(e, typed=True)}
         out.write(json.dumps(reply).encode("utf-8") + b"\n")
         out.flush()
 

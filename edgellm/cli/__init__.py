@@ -21,6 +21,7 @@ from typing import Any, Optional
 import click
 
 from edgellm import __version__
+from edgellm.errors import EdgeLLMError, one_line
 
 # name -> (module edgellm.cli.<module>_cmds, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -68,8 +69,6 @@ class LazyGroup(click.Group):
         return getattr(mod, spec[1], None)
 
     def invoke(self, ctx: click.Context) -> Any:
-        from edgellm.errors import EdgeLLMError
-
         try:
             return super().invoke(ctx)
         except EdgeLLMError as e:
@@ -83,8 +82,7 @@ class LazyGroup(click.Group):
         except Exception as e:  # never a traceback for the user; one line and a way to get more
             if os.environ.get("EDGELLM_DEBUG"):
                 raise
-            msg = str(e).splitlines()[0] if str(e) else ""
-            raise OneLineError(f"internal error: {type(e).__name__}: {msg} (set EDGELLM_DEBUG=1 for details)", 1) from None
+            raise OneLineError(f"internal error: {one_line(e, typed=True)} (set EDGELLM_DEBUG=1 for details)", 1) from None
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Help from the table: listing commands must not import them.

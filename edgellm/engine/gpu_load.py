@@ -8,7 +8,7 @@ import re
 from typing import Any, Optional
 
 from edgellm.engine.gpu import GpuPlan
-from edgellm.errors import RuntimeFailure
+from edgellm.errors import RuntimeFailure, one_line
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -65,7 +65,7 @@ def _failure_reason(log_text: str, exc: BaseException) -> str:
     if hits:
         reason = hits[0].split("error loading model:", 1)[-1].strip()[:200]
         return reason + (f", after the weights were placed on {placed[0]}" if placed else "")
-    return (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:200]
+    return one_line(exc, 200)
 
 
 def _load_logged(llama_cpp, kw: dict[str, Any], *, verbose: bool, quiet):

@@ -14,7 +14,7 @@ import logging
 from collections import Counter
 from pathlib import Path
 
-from edgellm.errors import GGUFError
+from edgellm.errors import GGUFError, one_line
 from edgellm.gguf.layout import (  # noqa: F401  (re-exported: the names callers import from here)
     _SPLIT_RE,
     GGUF_MAGIC,
@@ -42,8 +42,7 @@ def read_gguf(path: Path | str, *, check: bool = True) -> GGUFInfo:
     except GGUFError:
         raise
     except (Exception, RecursionError) as e:  # anything else a hostile file can provoke
-        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        raise GGUFError(f"{path.name}: malformed GGUF ({msg})") from None
+        raise GGUFError(f"{path.name}: malformed GGUF ({one_line(e, 160)})") from None
     fields = parsed.fields
     tensors = parsed.tensors
     arch = fields.get("general.architecture", "")

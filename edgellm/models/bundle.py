@@ -30,6 +30,7 @@ from edgellm.errors import (
     IntegrityError,
     ModelExists,
     UsageError,
+    one_line,
 )
 from edgellm.fsutil import (
     atomic_write_text,
@@ -165,7 +166,7 @@ def read_manifest(folder: Path | str) -> dict[str, Any]:
     except FileNotFoundError:
         raise UsageError(f"{folder} has no {MANIFEST}; is it a bundle written by `edgellm export`?") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise IntegrityError(f"{mpath} is not valid JSON ({str(e).splitlines()[0][:80]})") from None
+        raise IntegrityError(f"{mpath} is not valid JSON ({one_line(e, 80)})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise IntegrityError(f"{mpath} is not an edgellm bundle manifest")
     if data.get("version") != VERSION:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from edgellm.errors import Cancelled, DownloadError, EdgeLLMError, IntegrityError, ModelNotFound
+from edgellm.errors import Cancelled, DownloadError, EdgeLLMError, IntegrityError, ModelNotFound, one_line
 from edgellm.fsutil import human_size, sha256_file
 from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter
 
@@ -123,8 +123,7 @@ def hub_error(e: BaseException, *, repo: str, filename: Optional[str] = None, re
         return DownloadError(f"the Hub answered HTTP {st} for {repo}/{filename or ''}".rstrip("/"))
     if isinstance(e, OSError) and e.errno:
         return DownloadError(f"cannot write the download of {filename or repo}: {e.strerror}")
-    msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-    return DownloadError(f"could not reach {endpoint()} for {repo}: {type(e).__name__}: {msg}")
+    return DownloadError(f"could not reach {endpoint()} for {repo}: {one_line(e, 200, typed=True)}")
 
 
 def _sleep(seconds: float, cancel: Optional[CancelToken]) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from edgellm.engine.runtime import GenerationStats
+from edgellm.errors import one_line
 from edgellm.serve import tools
 from edgellm.serve.jobs import ApiError, Job, JobRequest, ModelSpec, client_gone, shutting_down
 from edgellm.serve.requests import _bad
@@ -185,7 +186,7 @@ async def submit(ctx: ServeContext, request: Any, spec: ModelSpec, req: JobReque
         try:
             req.tool_plan = await asyncio.to_thread(tools.plan, req.tools, req.messages or [], ctx.models.template_source(spec))
         except Exception as e:  # the schema converter raises assorted types for features it lacks
-            raise _bad(f"cannot turn the tools' schemas into a grammar: {str(e).splitlines()[0] if str(e) else type(e).__name__}"[:300],
+            raise _bad(f"cannot turn the tools' schemas into a grammar: {one_line(e)}"[:300],
                        "tools", "invalid_schema") from None
     reply = Reply(asyncio.get_running_loop())
     job = Job(req, reply.emit)

@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from edgellm.engine.runtime import Runtime, SamplingParams
-from edgellm.errors import UsageError
+from edgellm.errors import UsageError, one_line
 from edgellm.serve.jobs import ApiError, Job, JobRequest
 
 def prepare(rt: Runtime, template: Any, req: JobRequest, n_ctx: int) -> tuple[list[int], SamplingParams, Any]:
@@ -74,7 +74,7 @@ def _prompt_tokens(rt: Runtime, template: Any, req: JobRequest) -> tuple[list[in
                 toks = template_tokens(rt, template, plan.messages)
             return toks, "messages", plan
         except Exception as e:  # raise_exception() in the template, a Jinja error, or a render over its time limit
-            raise ApiError(400, f"the model's chat template refused these messages: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+            raise ApiError(400, f"the model's chat template refused these messages: {one_line(e)}",
                            param="messages", code="invalid_messages") from None
     if isinstance(req.prompt, list):
         n_vocab = rt.llm.n_vocab()

@@ -20,6 +20,7 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer
 from textual.worker import get_current_worker
 
+from edgellm import errors
 from edgellm.errors import Cancelled, EdgeLLMError
 from edgellm.models.store import ModelRecord, Store
 from edgellm.progress import CancelToken, Progress, ProgressCallback
@@ -39,10 +40,10 @@ REFRESH = Binding("r", "refresh", "Refresh")
 
 
 def one_line(e: BaseException) -> str:
+    """A notification's line: an expected failure's own message, else the exception's type and first line."""
     if isinstance(e, EdgeLLMError):
         return str(e)
-    msg = str(e).splitlines()[0] if str(e) else ""
-    return f"internal error: {type(e).__name__}: {msg}"
+    return f"internal error: {errors.one_line(e, typed=True)}"
 
 
 class BaseScreen(Screen):
