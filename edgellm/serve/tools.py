@@ -315,13 +315,18 @@ def _generic_messages(messages: list[dict[str, Any]], req: ToolRequest, offered:
     out: list[dict[str, Any]] = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = [{"name": tc["function"]["name"], "arguments": _loads(tc["function"]["arguments"]), "id": tc["id"]}
-                     for tc in m["tool_calls"]]
-            body = {"tool_calls": calls} if req.parallel or len(calls) > 1 else {"tool_call": calls[0]}
-            out.append({"role": "assistant", "content": json.dumps(body, ensure_ascii=False)})
+            if offered:  # the JSON the grammar asks for, so that the format stays the one the model sees
+                calls = [{"name": tc["function"]["name"], "arguments": _loads(tc["function"]["arguments"]), "id": tc["id"]}
+                         for tc in m["tool_calls"]]
+                body = {"tool_calls": calls} if req.parallel or len(calls) > 1 else {"tool_call": calls[0]}
+                text = json.dumps(body, ensure_ascii=False)
+            else:  # tool_choice none: in words, which a small model does not copy back as JSON
+                text = "; ".join(f"I called {tc['function']['name']}({tc['function']['arguments']})" for tc in m["tool_calls"]) + "."
+            out.append({"role": "assistant", "content": ((m.get("content") or "") + "\n" + text).strip()})
         elif m["role"] == "tool":
-            out.append({"role": "user", "content": json.dumps({"tool_response": {"tool": m.get("name", ""), "tool_call_id": m.get("tool_call_id"),
-                                                                                 "content": m.get("content", "")}}, ensure_ascii=False)})
+            # As a user turn in words: a template without a tool role has nowhere else to put it, and a small
+            # model answers plain words where it copies a JSON envelope back.
+            out.append({"role": "user", "content": f"The tool {m.get('name', '')} returned: {m.get('content', '')}"})
         else:
             out.append({"role": m["role"], "content": m.get("content") or ""})
     if offered:
