@@ -21,7 +21,7 @@ CSV_FIELDS = [
     "model", "model_filename", "model_type", "model_size", "model_n_params", "test", "n_prompt", "n_gen",
     "n_threads", "n_ctx", "use_mmap", "mlock", "avg_ts", "stddev_ts", "ttft_seconds", "load_seconds",
     "rss_bytes", "file_backed_bytes", "anon_bytes", "kv_bytes", "compute_buffer_bytes", "file_bytes",
-    "bandwidth_bytes_per_s", "roofline_ts", "roofline_fraction", "llama_bench_ts", "ratio",
+    "bandwidth_bytes_per_s", "read_bytes_per_token", "roofline_ts", "roofline_fraction", "llama_bench_ts", "ratio",
     "n_gpu_layers", "gpu_device", "device_bytes", "host_bytes",
 ]
 
@@ -138,7 +138,7 @@ def _text(rows) -> str:
             lines.append(f"{r.model} {r.test}: {r.n_gpu_layers} layers on {r.gpu_device or 'the GPU'}; llama.cpp allocated "
                          f"{_mb(r.device_bytes)} on the device, {_mb(r.host_bytes)} on the host")
         if r.roofline_ts:
-            lines.append(f"{r.model}: memory bandwidth {r.bandwidth_bytes_per_s / 1e9:.1f} GB/s / weights {_mb(r.model_size)} "
+            lines.append(f"{r.model}: memory bandwidth {r.bandwidth_bytes_per_s / 1e9:.1f} GB/s / {_mb(r.read_bytes_per_token or r.model_size)} read a token "
                          f"-> generation roofline {r.roofline_ts:.1f} tok/s; {r.test} reached {100 * (r.roofline_fraction or 0):.0f}%")
     return "\n".join(lines)
 

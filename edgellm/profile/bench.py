@@ -131,7 +131,8 @@ def bench(
             if bw is not None:
                 row.bandwidth_bytes_per_s = bw.read_bytes_per_s
                 if row.n_gen and not row.n_prompt and row.model_size:
-                    row.roofline_ts = bw.read_bytes_per_s / row.model_size
+                    row.read_bytes_per_token = token_read_bytes(info, row.n_gen)
+                    row.roofline_ts = bw.read_bytes_per_s / row.read_bytes_per_token
                     row.roofline_fraction = row.avg_ts / row.roofline_ts
             all_rows.append(row)
     if compare_llama_bench:
@@ -235,6 +236,12 @@ def _run_worker(req: dict[str, Any], *, label: str, on_event, cancel: Optional[C
 
 
 # -- memory bandwidth and the roofline ------------------------------------------
+
+
+def token_read_bytes(info, n_gen: int) -> int:
+    """What generating one token reads, on average over `n_gen` tokens from an empty context: the
+    weights once (GGUFInfo.bytes_per_token) and the K and V cells of the tokens before it."""
+    return int(info.bytes_per_token + kv_bytes_per_token(info) * (n_gen - 1) / 2)
 
 
 def measure_bandwidth_now(*, threads: int = 1, size_bytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> Bandwidth:

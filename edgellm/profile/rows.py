@@ -42,7 +42,10 @@ class BenchRow:
     ttft_seconds: Optional[float]
     file_bytes: int = 0
     bandwidth_bytes_per_s: Optional[float] = None
-    roofline_ts: Optional[float] = None  # tg only: bandwidth / weight bytes
+    # tg only: bandwidth / the bytes one token reads (every matrix once, a repacked one too; the
+    # embedding table only when it is also the output; the KV cache up to the token's mean position)
+    read_bytes_per_token: Optional[int] = None
+    roofline_ts: Optional[float] = None
     roofline_fraction: Optional[float] = None
     llama_bench_ts: Optional[float] = None
     llama_bench_stddev_ts: Optional[float] = None
