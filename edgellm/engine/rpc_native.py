@@ -227,15 +227,6 @@ def lost_endpoints(endpoints: Optional[Sequence[Endpoint]] = None) -> list[Endpo
     return lost
 
 
-def check_alive(endpoints: Sequence[Endpoint]) -> None:
-    """Raise RpcError naming a lost worker (before a request: never start work that would hang)."""
-    lost = lost_endpoints(endpoints)
-    if lost:
-        with _lock:
-            _state["lost"].update(lost)
-        raise RpcError(f"RPC worker {lost[0]} is gone (its connection is closed); restart it, then restart this process")
-
-
 def on_worker_lost(listener: Callable[[str, list[Endpoint]], None]) -> None:
     """Call `listener(message, lost)` when a worker dies under a running generation ("park" mode)."""
     with _lock:
@@ -318,7 +309,7 @@ def run_worker(host: str, port: int, *, threads: int, mem_bytes: Optional[int], 
                                       threads, 1, devs)
 
 
-__all__ = ["plan_for", "loading", "apply_to_params", "compiled_in", "add_servers", "model_devices", "harden_sockets", "lost_endpoints", "check_alive",
+__all__ = ["plan_for", "loading", "apply_to_params", "compiled_in", "add_servers", "model_devices", "harden_sockets", "lost_endpoints",
            "on_worker_lost", "install_abort_handler", "cpu_device", "offer_memory", "run_worker"]
 
 

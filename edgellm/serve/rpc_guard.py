@@ -1,7 +1,7 @@
 """`edgellm serve --rpc`: a worker that dies must cost one request, not the server.
 
 llama.cpp's RPC client aborts the process when a worker's connection breaks.
-The server sets ggml's abort callback to "park" mode (edgellm.engine.rpc_native):
+The server's `LossGuard` (edgellm.engine.rpc_loss, shared with the TUI) sets ggml's abort callback to "park" mode:
 the thread that hit the broken connection is parked for good instead of
 aborting, and `_fail_all` answers every request of the pool with a 503 JSON
 error (`rpc_worker_lost`). The model's decode thread never comes back from
@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any
 
-from edgellm.engine import rpc_native
+from edgellm.engine.rpc_loss import LossGuard
 
 log = logging.getLogger(__name__)
 CODE = "rpc_worker_lost"
@@ -30,8 +30,8 @@ def attach(pool: Any, api_error: Any) -> None:
     """Route lost workers to `pool`'s requests; `api_error` is the pool's ApiError (status, message, code)."""
     pool.rpc_lost = None
     pool.rpc_api_error = api_error
-    rpc_native.install_abort_handler("park")
-    rpc_native.on_worker_lost(lambda msg, lost: _fail_all(pool, msg))
+    # the core's guard (engine.rpc_loss): an abort mid-generation fails every request of the pool
+    pool.rpc_loss_guard = LossGuard(on_lost=lambda msg: _fail_all(pool, msg))
 
 
 def _error(pool: Any, msg: str) -> Any:
@@ -42,9 +42,8 @@ def check(pool: Any) -> None:
     """Before queueing a request: refuse it (503) if a worker is known lost or its connection is closed."""
     msg = getattr(pool, "rpc_lost", None)
     if msg is None:
-        lost = rpc_native.lost_endpoints()
-        if lost:
-            msg = f"RPC worker {lost[0]} is gone (its connection is closed)"
+        msg = pool.rpc_loss_guard.closed()  # died while idle: nothing runs on it, so retire, nothing to fail
+        if msg is not None:
             log.error("%s", msg)
             _retire(pool, msg)
     if msg is not None:

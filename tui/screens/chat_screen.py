@@ -8,8 +8,8 @@ edgellm.chat.session's; this screen only forwards text and renders the pieces.
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
 import time
 from typing import Optional
 
@@ -31,14 +31,14 @@ from textual.widgets import (
 from edgellm import paths
 from edgellm.chat import history
 from edgellm.chat.session import ChatSession, open_session
-from edgellm.engine import rpc_native
+from edgellm.engine.rpc_loss import LossGuard
 from edgellm.engine.runtime import (
     GenerationStats,
     Runtime,
     RuntimeOptions,
     SamplingParams,
 )
-from edgellm.errors import RuntimeFailure, UsageError
+from edgellm.errors import UsageError
 from edgellm.fsutil import human_size
 from edgellm.models.catalog import load_catalog
 from edgellm.models.store import Store
@@ -88,6 +88,7 @@ class ChatScreen(BaseScreen):
         self.last_stats: Optional[GenerationStats] = None
         self._resume_id: Optional[str] = None
         self.sampler: Optional[LiveSampler] = None
+        self._loss_guard: Optional[LossGuard] = None  # made at the first message over RPC
 
     # -- layout ------------------------------------------------------------
 
@@ -206,50 +207,26 @@ class ChatScreen(BaseScreen):
                     self.post_message(ReplyGrew(reply, "".join(acc)))
             return self.session.last_stats
 
-        if options.rpc:
-            self._guard_rpc()
-            self._rpc_lost = ""
-        ok, out = self.run_guarded("chat", (lambda: self._on_daemon(call)) if options.rpc else call, token=token)
+        run = call
+        if options.rpc:  # a lost worker ends this reply with its line, not the app
+            guard = self._rpc_guard()
+            guard.reset()
+            run = functools.partial(guard.call, call)
+        ok, out = self.run_guarded("chat", run, token=token)
         self.ui(self._finished, reply, "".join(acc), out if ok else None, token.cancelled, "" if ok else out)
 
-    def _guard_rpc(self) -> None:
-        """A worker that dies mid-reply: llama.cpp's RPC client would abort the whole process (the
-        CLI's one-line exit). Here the core parks the thread that was generating forever instead
-        and calls us with the line that names the worker; the app stays up."""
+    def _rpc_guard(self) -> LossGuard:
+        """A worker that dies mid-reply: llama.cpp's RPC client would abort the whole process (the CLI's
+        one-line exit). The core's guard parks the thread that was generating instead and hands us the line
+        that names the worker; the app stays up."""
+        if self._loss_guard is None:
+            self._loss_guard = LossGuard(on_lost=self._worker_lost)
+        return self._loss_guard
 
-        if not getattr(self, "_rpc_guarded", False):
-            rpc_native.install_abort_handler("park")
-            rpc_native.on_worker_lost(self._worker_lost)
-            self._rpc_guarded = True
-
-    def _worker_lost(self, msg: str, _lost) -> None:
+    def _worker_lost(self, _msg: str) -> None:
         # Called on the parked thread. The session's model has layers on the dead worker: dropped,
         # not closed (freeing it would talk to that worker again); the next message loads afresh.
-        self._rpc_lost = msg
         self.session, self.session_key = None, None
-
-    def _on_daemon(self, fn):
-        """Run `fn` (a load and a reply over RPC) on a daemon thread and wait for it here. A lost
-        worker parks that thread for good: this one returns with the worker's line, and the parked
-        thread, being a daemon, neither holds Textual's thread pool nor keeps the app from quitting."""
-        box: list = []
-
-        def target() -> None:
-            try:
-                box.append((True, fn()))
-            except BaseException as e:  # handed to run_guarded on the worker thread
-                box.append((False, e))
-
-        t = threading.Thread(target=target, name="chat-rpc", daemon=True)
-        t.start()
-        while t.is_alive():
-            t.join(0.2)
-            if getattr(self, "_rpc_lost", ""):
-                raise RuntimeFailure(self._rpc_lost)
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
 
     def _show_plans(self, runtime: Runtime) -> None:
         """Where the layers went, in the conversation, after each (re)load: the GPU plan that ran
