@@ -112,4 +112,18 @@ def render(rows: list[RpcBenchRow]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
 
 
-__all__ = ["RpcBenchRow", "bench_rpc", "llama_bench_args", "render"]
+def as_bench_rows(plan: Any, rows: list[RpcBenchRow]) -> list[dict[str, Any]]:
+    """The rows in a `BenchRow.to_json()`'s shape, for what shows both kinds in one table (the TUI's
+    Bench screen): the split's speed, the layers on the workers and the plan's bytes there and here;
+    what a split run does not measure is None, and `rpc` holds what only it has."""
+    remote = sum(dev.total_bytes for dev in plan.devices[1:])
+    workers = ", ".join(str(w.endpoint) for w in plan.workers)
+    return [{"model": r.model, "test": r.test, "avg_ts": r.rpc_ts, "stddev_ts": r.rpc_stddev_ts, "ttft_seconds": None,
+             "load_seconds": None, "n_gpu_layers": plan.n_gpu_layers, "device_bytes": remote,
+             "host_bytes": plan.devices[0].total_bytes, "rss_bytes": None, "file_backed_bytes": None,
+             "anon_bytes": None, "kv_bytes": None, "timestamp": "rpc", "samples_ts": [],
+             "rpc": {"local_ts": r.local_ts, "network_share": r.network_share, "workers": workers}}
+            for r in rows]
+
+
+__all__ = ["RpcBenchRow", "as_bench_rows", "bench_rpc", "llama_bench_args", "render"]

@@ -19,6 +19,7 @@ from textual.widgets import Button, Checkbox, DataTable, Input, Label, Select, S
 from edgellm.fsutil import human_size
 from edgellm.errors import UsageError
 from edgellm.profile.bench import bench
+from edgellm.profile.bench_rpc import as_bench_rows, bench_rpc
 from edgellm.profile.results import load_bench_results
 
 from tui.widgets.chat_settings import gpu_layers
@@ -119,12 +120,10 @@ class BenchScreen(BaseScreen):
         progress = self.progress_to(self.job_progress, min_interval=0.1)
         warn = lambda m: self.ui(self.notify, m, severity="warning")  # noqa: E731  (the plan and its notes)
         if rpc:  # as `bench --rpc`: each test here and split over the workers (GPU layers do not apply)
-            from edgellm.profile.bench_rpc import bench_rpc
-
             ok, out = self.run_guarded(f"bench {model}", bench_rpc, model, rpc, pp=pp, tg=tg, repetitions=reps,
                                        on_plan=lambda p: warn("\n".join(p.lines())), on_progress=progress,
                                        cancel=token, token=token)
-            rows = rpc_rows(*out) if ok else None
+            rows = as_bench_rows(*out) if ok else None
         else:
             ok, out = self.run_guarded(f"bench {model}", bench, [model], pp=pp, tg=tg, repetitions=reps,
                                        n_gpu_layers=layers, warn=warn, on_progress=progress, cancel=token, token=token)
@@ -166,21 +165,6 @@ class BenchScreen(BaseScreen):
         same = [r for r in self.rows if r["model"] == d["model"] and r["timestamp"] == d["timestamp"]]
         self.samples = [float(x) for r in same for x in r["samples_ts"]]
         self.query_one(Sparkline).data = self.samples
-
-
-def rpc_rows(plan, rows) -> list[dict]:
-    """`bench_rpc`'s rows in the shape the table shows (a BenchRow's JSON): the split's speed,
-    the layers on the workers, and the plan's bytes there and here."""
-    remote = sum(dev.total_bytes for dev in plan.devices[1:])
-    out = []
-    for r in rows:
-        out.append({"model": r.model, "test": r.test, "avg_ts": r.rpc_ts, "stddev_ts": r.rpc_stddev_ts, "ttft_seconds": None,
-                    "load_seconds": None, "n_gpu_layers": plan.n_gpu_layers, "device_bytes": remote,
-                    "host_bytes": plan.devices[0].total_bytes, "rss_bytes": None, "file_backed_bytes": None,
-                    "anon_bytes": None, "kv_bytes": None, "timestamp": "rpc", "samples_ts": [],
-                    "rpc": {"local_ts": r.local_ts, "network_share": r.network_share,
-                            "workers": ", ".join(str(w.endpoint) for w in plan.workers)}})
-    return out
 
 
 def _bytes(v: Any) -> str:
