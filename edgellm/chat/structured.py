@@ -126,12 +126,15 @@ def _shape(schema: Any) -> tuple[int, int]:
             depth = d
         if d > MAX_SCHEMA_DEPTH:
             break
+        if values > MAX_ENUM_VALUES:
+            break
         if isinstance(node, dict):
             if isinstance(node.get("enum"), list):
                 values += len(node["enum"])
             if "const" in node:
                 values += 1
-            stack.extend((v, d + 1) for v in node.values() if isinstance(v, (dict, list)))
+            # enum and const hold values, not schemas: nothing to walk there
+            stack.extend((v, d + 1) for k, v in node.items() if isinstance(v, (dict, list)) and k not in ("enum", "const"))
         elif isinstance(node, list):
             stack.extend((v, d + 1) for v in node if isinstance(v, (dict, list)))
     return depth, values
