@@ -97,15 +97,19 @@ def format_amount(value: float, unit: str) -> str:
 class TerminalBar:
     """A dependency-free progress bar for stderr (the CLI's renderer).
 
-    On a TTY it redraws one line at most ~10 times a second; otherwise it
-    prints a plain line per 10% so logs of scripted runs stay short.
+    On a TTY it redraws one line at most ~10 times a second. Piped (a log, a
+    file, CI), it prints a plain line when a task reaches its next 10% and, for
+    a task of unknown size, at most one every `PIPED_INTERVAL` seconds: a
+    98 MB pull is 11 lines, as pip and huggingface_hub keep theirs short.
     """
+
+    PIPED_INTERVAL = 5.0
 
     def __init__(self, stream=None, *, width: int = 30) -> None:
         self.stream = stream or sys.stderr
         self.width = width
         self._last_draw = 0.0
-        self._last_decile = -1
+        self._deciles: dict[str, int] = {}  # per task: the highest 10% step printed (interleaved tasks never repeat one)
         self._tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self._open = False
 
@@ -123,12 +127,19 @@ class TerminalBar:
                 self.stream.write("\n")
                 self._open = False
             self.stream.flush()
+            return
+        if frac is None:  # no total: a heartbeat, not a line per update
+            if p.task in self._deciles and now - self._last_draw < self.PIPED_INTERVAL:
+                return
+            self._deciles[p.task] = -1
         else:
-            decile = int((frac or 0) * 10)
-            if decile != self._last_decile:
-                self._last_decile = decile
-                self.stream.write(self._line(p) + "\n")
-                self.stream.flush()
+            decile = min(10, int(frac * 10))
+            if decile <= self._deciles.get(p.task, -1):
+                return
+            self._deciles[p.task] = decile
+        self._last_draw = now
+        self.stream.write(self._line(p) + "\n")
+        self.stream.flush()
 
     def close(self) -> None:
         if self._open:
