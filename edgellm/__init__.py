@@ -1,7 +1,7 @@
 """edgellm: a local, CPU-first LLM tool built around GGUF quantization.
 
-The core API lives in the submodules (store, hub, gguf_file, hardware,
-runtime, ...). This package root stays import-light on purpose: the CLI
+The core API lives in the sub-packages (gguf, models, engine, chat, serve,
+profile; docs/architecture.md). This package root stays import-light on purpose: the CLI
 imports it on every start and `edgellm --help` must stay fast.
 """
 

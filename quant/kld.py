@@ -70,10 +70,6 @@ class BaseLogProbs:
     def n_tokens(self) -> int:
         return len(self.nll)
 
-    @property
-    def bytes_per_token(self) -> int:
-        return (self.ids.itemsize + 4) * (self.k + self.m) + 8
-
     def add_chunk(self, row0: int, logits: np.ndarray, targets: np.ndarray, nll: np.ndarray, sm: Any, *, seed: int = 0) -> None:
         """Take top-k and tail samples of one chunk's scored logits.
 

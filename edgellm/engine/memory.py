@@ -85,12 +85,6 @@ class MemoryEstimate:
     def total_bytes(self) -> int:
         return self.weights_bytes + self.repacked_bytes + self.kv_bytes + self.compute_bytes + self.process_bytes
 
-    def per_layer_bytes(self) -> int:
-        """Weights and KV cache of one repeating layer: what offloading one layer moves."""
-        if not self.n_layers:
-            return 0
-        return (self.weights_bytes + self.kv_bytes) // self.n_layers
-
     def describe(self) -> str:
         repacked = f" + repacked copy {human_size(self.repacked_bytes)}" if self.repacked_bytes else ""
         return (f"needs ~{human_size(self.total_bytes)} at ctx {self.ctx} (weights {human_size(self.weights_bytes)}{repacked}"
