@@ -219,8 +219,9 @@ class Runtime:
         self.threads_pinned = opts.n_threads is not None
         self.draft_runtime: Optional["Runtime"] = None  # attach_draft
         self._governor: Any = None
-        self._verify_cost: Any = None  # this machine's verify-step cost (engine.speculative.VerifyCost), kept across replies
+        self.verify_cost: Any = None  # this machine's verify-step cost (engine.speculative.VerifyCost), learned across replies
         self._spec_memory: list[list[int]] = []  # earlier replies' tokens, drafted from like the prompt
+        self._draft_prior: dict[str, Any] = {}  # per draft mode: the acceptance the last sequence ended with
 
     # -- tokens ------------------------------------------------------------
 
@@ -403,6 +404,7 @@ class Runtime:
                 st.prompt_seconds = now - t0
             if spec is not None:
                 self._remember(kv[len(prompt):])
+                self._draft_prior[st.draft] = (spec.policy.hits, spec.policy.misses)
         tail = text.flush()
         if tail:
             yield tail
@@ -425,8 +427,8 @@ class Runtime:
 
         if mode not in DRAFT_MODES:
             raise UsageError(f"unknown draft mode {s.draft!r} (expected one of {', '.join(DRAFT_MODES)})")
-        if self._verify_cost is None:
-            self._verify_cost = VerifyCost()
+        if self.verify_cost is None:
+            self.verify_cost = VerifyCost()
         if mode == "model":
             if self.draft_runtime is None:
                 raise UsageError("draft='model' needs a draft model (Runtime.attach_draft, --draft MODEL)")
@@ -434,7 +436,8 @@ class Runtime:
         else:
             drafter = NgramDrafter()
         drafter.reset(prompt, self._spec_memory)
-        return Speculator(drafter, draft_max=s.draft_max or DEFAULT_DRAFT_MAX, cost=self._verify_cost)
+        return Speculator(drafter, draft_max=s.draft_max or DEFAULT_DRAFT_MAX, cost=self.verify_cost,
+                          prior=self._draft_prior.get(mode))
 
     def _remember(self, reply: list[int], budget: int = 8192) -> None:
         """Keep earlier replies (at most `budget` tokens) to draft from, as llama-server's shared n-gram table does."""

@@ -71,8 +71,11 @@ class VerifyCost:
     t1: Optional[float] = None
     tn: dict[int, float] = field(default_factory=dict)
     alpha: float = 0.2
+    frozen: bool = False  # keep the figures given (tests, or a machine measured once) instead of learning
 
     def observe(self, n: int, seconds: float) -> None:
+        if self.frozen:
+            return
         if n <= 1:
             self.t1 = seconds if self.t1 is None else self.t1 + self.alpha * (seconds - self.t1)
         else:
@@ -152,11 +155,14 @@ class Speculator:
     """One sequence's drafter, policy and counters; the decode loop calls push/propose/verified/plain."""
 
     def __init__(self, drafter: Any, *, draft_max: int = DEFAULT_DRAFT_MAX, cost: Optional[VerifyCost] = None,
-                 probe_every: int = 24) -> None:
+                 probe_every: int = 24, prior: Optional[tuple[list[float], list[float]]] = None) -> None:
         self.drafter = drafter
         self.free = isinstance(drafter, NgramDrafter)  # drafting costs nothing: shadow drafts while off
         self.draft_max = max(0, int(draft_max))
         self.policy = DraftPolicy(cost=cost or VerifyCost())
+        if prior is not None:  # what earlier sequences on this model learned, at half weight: this one soon decides
+            self.policy.hits = [1.0 + 0.5 * h for h in prior[0]]
+            self.policy.misses = [1.0 + 0.5 * m for m in prior[1]]
         self.counters = DraftCounters()
         self.shadow: Optional[list[Any]] = None  # [draft, matched so far, bucket]
         self.bucket = 0
@@ -170,14 +176,16 @@ class Speculator:
         if sh is not None:
             d, i, b = sh
             if token == d[i]:
+                # counted as it happens, so that a long right draft turns speculation on before it ends
+                self.policy.hits[b] += 1
                 i += 1
                 if i == len(d):
-                    self.policy.record(b, i, False)
+                    self.policy.record(b, 0, False)
                     self.shadow = None
                 else:
                     sh[1] = i
             else:
-                self.policy.record(b, i, True)
+                self.policy.record(b, 0, True)
                 self.shadow = None
 
     def propose(self, room: int) -> list[int]:
