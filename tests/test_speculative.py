@@ -300,3 +300,33 @@ def test_threads_drop_to_one_while_another_process_spins(default_gguf):
     finally:
         spin.kill()
         spin.wait()
+
+
+def test_batched_sequences_speculate_inside_the_batch_losslessly(default_gguf):
+    from edgellm.engine.batch import BatchEngine, Sequence
+
+    r = Runtime(default_gguf, RuntimeOptions(n_ctx=2048, n_threads=1, flash_attn=True))
+    try:
+        eng = BatchEngine(r, 2)
+        eng.verify_cost = VerifyCost(t1=1.0, tn={2: 1.0}, frozen=True)
+        prompts = [_chat(r, IDENTITY_PROMPTS[1]), _chat(r, REPEAT)]
+
+        def run(draft: str) -> list[tuple[str, GenerationStats]]:
+            out: list[list] = [[], []]
+            seqs = []
+            for i, p in enumerate(prompts):
+                def emit(kind, value, i=i):
+                    out[i].append((kind, value))
+                seqs.append(Sequence(p, SamplingParams(temperature=0, max_tokens=48, draft=draft), emit))
+            for s in seqs:
+                eng.add(s)
+            while eng.active():
+                eng.step()
+            return [("".join(v for k, v in o if k == "text"), o[-1][1]) for o in out]
+
+        plain, spec = run("off"), run("ngram")
+        assert [t for t, _ in spec] == [t for t, _ in plain]
+        assert sum(st.draft_accepted for _, st in spec) > 10 and eng.drafts.accepted == sum(st.draft_accepted for _, st in spec)
+        assert eng.drafts.drafted == sum(st.draft_tokens for _, st in spec) and eng.drafts.steps > 0
+    finally:
+        r.close()

@@ -36,7 +36,9 @@ from typing import Any, Callable, Optional
 import llama_cpp
 
 from edgellm.engine.decode import Batch, Sampler, TextStream, common_prefix
+from edgellm.engine.ngram import NgramDrafter
 from edgellm.engine.runtime import GenerationStats, SamplingParams
+from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, DraftCounters, Speculator, VerifyCost
 
 
 @dataclass
@@ -58,6 +60,9 @@ class Sequence:
     text: Optional[TextStream] = None
     t0: float = 0.0
     t_first: float = 0.0
+    spec: Any = None  # an engine.speculative.Speculator when the request drafts
+    draft: list[int] = field(default_factory=list)  # drafted tokens decoded after `last` this step
+    rows: list[int] = field(default_factory=list)  # their output rows, `last`'s first
 
 
 def open_parallel_context(rt: Any, n_seq: int) -> None:
@@ -100,6 +105,8 @@ class BatchEngine:
         self.default_seed = rt.options.seed
         # counters for /metrics
         self.prompt_tokens = self.cached_tokens = self.generated_tokens = self.cache_hits = 0
+        self.drafts = DraftCounters()  # llama-server's spec_decode_* counters
+        self.verify_cost = VerifyCost()
 
     # -- admission -------------------------------------------------------------
 
@@ -143,6 +150,12 @@ class BatchEngine:
         seq.slot, seq.n_done = dst, keep
         seq.sampler = Sampler(self.vocab, seq.sampling, default_seed=self.default_seed)
         seq.text = TextStream(self.vocab, seq.sampling.stop)
+        mode = (seq.sampling.draft or "off").lower()
+        if mode != "off":  # one context holds every sequence: drafts come from n-grams (a draft model is chat's)
+            d = NgramDrafter()
+            d.reset(prompt)
+            seq.spec = Speculator(d, draft_max=seq.sampling.draft_max or DEFAULT_DRAFT_MAX, cost=self.verify_cost)
+            seq.stats.draft = "ngram"
         st = seq.stats
         st.prompt_tokens, st.reused_tokens, st.evaluated_prompt_tokens = len(prompt), keep, len(prompt) - keep
         st.stop_reason = "length"
@@ -173,16 +186,30 @@ class BatchEngine:
         n = 0
         gen = [s for s in seqs if s.last >= 0]
         if gen:
+            share = max(0, (self.batch.capacity - len(gen)) // len(gen))  # drafted tokens each may add to the batch
+            for s in gen:
+                if s.spec is not None:
+                    room = min(share, self.n_ctx_seq - len(self.cached[s.slot]) - 2, s.sampling.max_tokens - s.stats.generated_tokens - 1)
+                    s.draft = s.spec.propose(room)
+
             def fill_gen(b: Batch, live: list[Sequence]) -> None:
                 for s in live:
-                    s.out = b.add(s.last, len(self.cached[s.slot]), s.slot, True)
+                    pos = len(self.cached[s.slot])
+                    s.out = b.add(s.last, pos, s.slot, True)
+                    s.rows = [s.out] + [b.add(d, pos + 1 + i, s.slot, True) for i, d in enumerate(s.draft)]
 
+            t = time.perf_counter()
             n += self._decode(gen, fill_gen)
             now = time.perf_counter()
             for s in gen:
                 if self.slots[s.slot] is s:
                     self.cached[s.slot].append(s.last)
-                    self._sample(s, now)
+                    if s.draft:
+                        self._verify(s, now, now - t)
+                    else:
+                        if s.spec is not None:
+                            s.spec.plain(now - t)
+                        self._sample(s, now)
         for s in seqs:
             left = len(s.prompt) - s.n_done
             if left <= 0 or self.slots[s.slot] is not s:
@@ -222,6 +249,26 @@ class BatchEngine:
             if not self._evict_one():  # no idle cache left to drop: the youngest sequence gives way
                 self._finish(max((s for s in self.slots if s is not None), key=lambda s: s.t0), "length")
 
+    def _verify(self, s: Sequence, now: float, seconds: float) -> None:
+        """Sample the rows of `last` and its drafted tokens in order, keeping drafted tokens while they are the ones sampled."""
+        cached = self.cached[s.slot]
+        acc = 0
+        for j, row in enumerate(s.rows):
+            s.out = row
+            self._sample(s, now)
+            if self.slots[s.slot] is not s or j >= len(s.draft) or s.last != s.draft[j]:
+                break
+            cached.append(s.last)  # its cell was decoded in this step
+            acc += 1
+        rejected = self.slots[s.slot] is s and acc < len(s.draft)
+        s.spec.verified(len(s.draft), acc, rejected, seconds)
+        self.drafts.add(len(s.draft), acc)
+        if self.slots[s.slot] is not s:  # finished in this step: its stats were filled before this verify counted
+            c, st = s.spec.counters, s.stats
+            st.draft_tokens, st.draft_accepted, st.draft_steps, st.draft_accepted_per_pos = c.drafted, c.accepted, c.steps, list(c.per_pos)
+        llama_cpp.llama_memory_seq_rm(self.mem, s.slot, len(cached), -1)  # the rejected tail, or what a stop cut off
+        s.draft = []
+
     def _sample(self, s: Sequence, now: float) -> None:
         tok = s.sampler.sample(self.ctx, s.out)
         st = s.stats
@@ -242,10 +289,15 @@ class BatchEngine:
         if st.generated_tokens >= s.sampling.max_tokens or len(self.cached[s.slot]) + 1 >= self.n_ctx_seq:
             return self._finish(s, "length")
         s.last = tok
+        if s.spec is not None:
+            s.spec.push(tok)
 
     def _finish(self, s: Sequence, reason: str) -> None:
         st = s.stats
         st.stop_reason = reason
+        if s.spec is not None:
+            c = s.spec.counters
+            st.draft_tokens, st.draft_accepted, st.draft_steps, st.draft_accepted_per_pos = c.drafted, c.accepted, c.steps, list(c.per_pos)
         now = time.perf_counter()
         if s.t_first:
             st.generation_seconds = now - s.t_first
