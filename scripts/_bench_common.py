@@ -1,0 +1,117 @@
+"""Shared pieces of the benchmark scripts: a child's wall time, peak memory and extra disk, sampled.
+
+`measured(cmd, dirs=...)` runs one command and samples, every ~50 ms, the
+RssAnon and RssFile of its whole process tree (/proc/<pid>/status, children
+from /proc/<pid>/task/*/children) and the bytes allocated under `dirs`
+(st_blocks, so sparse or preallocated files count as the disk they take).
+`Sampler(pid, dirs)` does the same around a process started elsewhere (a
+server). Linux only: /proc is the point.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+PERIOD = 0.05
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                out += [int(x) for x in fh.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def tree_rss(pid: int) -> tuple[int, int]:
+    """(RssAnon, RssFile) in bytes summed over pid and its descendants."""
+    anon = file = 0
+    todo, seen = [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/status") as fh:
+                for line in fh:
+                    if line.startswith("RssAnon:"):
+                        anon += int(line.split()[1]) * 1024
+                    elif line.startswith("RssFile:"):
+                        file += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+        todo += _children(p)
+    return anon, file
+
+
+def allocated(dirs: list[Path]) -> int:
+    """Bytes allocated on disk under `dirs` (files that vanish mid-walk count as gone)."""
+    total = 0
+    for d in dirs:
+        for root, _, files in os.walk(d):
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(root, f)).st_blocks * 512
+                except OSError:
+                    pass
+    return total
+
+
+class Sampler:
+    """Peaks of a process tree's anonymous and file-backed RSS, and of the extra disk under `dirs`."""
+
+    def __init__(self, pid: int, dirs: list[Path] = ()):
+        self.pid, self.dirs = pid, [Path(d) for d in dirs]
+        self.disk0 = allocated(self.dirs)
+        self.anon = self.file = self.rss = self.disk = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _sample(self) -> None:
+        a, f = tree_rss(self.pid)
+        self.anon, self.file, self.rss = max(self.anon, a), max(self.file, f), max(self.rss, a + f)
+        self.disk = max(self.disk, allocated(self.dirs) - self.disk0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(PERIOD)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._t.join()
+        return {"peak_anon": self.anon, "peak_file": self.file, "peak_rss": self.rss, "extra_disk": self.disk}
+
+
+def measured(cmd: list, *, dirs: list[Path] = (), env: dict | None = None, timeout: float = 14400,
+             cwd: Path | None = None) -> dict:
+    """Run `cmd` to the end; its rc, stdout, stderr, wall seconds and the Sampler's peaks."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=cwd, stdin=subprocess.DEVNULL)
+    s = Sampler(proc.pid, dirs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        err += f"\n[timed out after {timeout:.0f} s]"
+    finally:
+        peaks = s.stop()
+    return {"rc": proc.returncode, "stdout": out, "stderr": err, "wall_s": time.perf_counter() - t0, **peaks}
+
+
+def median_of(runs: list[dict]) -> dict:
+    """The median of every numeric figure over runs (a figure missing from a run is left out of it)."""
+    keys = {k for r in runs for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: statistics.median(r[k] for r in runs if k in r) for k in keys}
