@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's reference tools (llama-bench, llama-perplexity,
+# Builds llama.cpp's reference tools (llama-bench, llama-perplexity, llama-server,
 # llama-quantize) from the very llama.cpp tree vendored in the pinned
 # llama-cpp-python sdist, with the same CPU flags as the Python bindings.
 # That makes them the fair baseline for every ratio edgellm publishes.
@@ -20,7 +20,8 @@ source scripts/_cpu_flags.sh
 ARGS="$(edgellm_cmake_args "${EDGELLM_GPU:-}")"
 KEY="$(edgellm_flags_key "$ARGS")"
 OUT="$EDGELLM_CACHE/llama-tools/$LLAMA_CPP_PYTHON_VERSION-$KEY-shared"
-TOOLS="${*:-llama-bench llama-perplexity llama-quantize llama-imatrix ggml-rpc-server}"
+# llama-server: the reference for the server tests' logprobs and embeddings (tests/test_server_tools.py)
+TOOLS="${*:-llama-bench llama-perplexity llama-quantize llama-imatrix ggml-rpc-server llama-server}"
 
 have_all() { for t in $TOOLS; do [ -x "$OUT/bin/$t" ] || return 1; done; }
 if have_all; then echo "$OUT/bin"; exit 0; fi

@@ -276,3 +276,15 @@ def test_embedding_input_over_the_context_or_empty_is_400(server):
         assert status == 400 and body["error"]["param"] == "input", (bad, body)
     status, body = _raw(server, "/v1/embeddings", {"input": [[1, 2, 3]], "encoding_format": "base64"})
     assert status == 200 and len(struct.unpack("<576f", base64.b64decode(body["data"][0]["embedding"]))) == 576
+
+
+def test_embed_command_gives_the_servers_vectors(cli, default_model, client):
+    res = cli("embed", DEFAULT_NAME, TEXTS[0], TEXTS[1], "--json")
+    assert res.exit_code == 0, res
+    out = json.loads(res.stdout)
+    assert out["pooling"] == "mean" and out["dimensions"] == 576 and len(out["embeddings"]) == 2
+    served = [d.embedding for d in client.embeddings.create(model=DEFAULT_NAME, input=TEXTS[:2], encoding_format="float").data]
+    for a, b in zip(out["embeddings"], served):
+        assert sum(x * y for x, y in zip(a, b)) >= 0.99999
+    bad = cli("embed", DEFAULT_NAME, "")
+    assert bad.exit_code != 0 and bad.stderr.strip().splitlines()[-1].startswith("error: ")

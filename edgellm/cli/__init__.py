@@ -40,7 +40,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("eval", "eval_cmd", "Quality loss of quant levels vs their base: PPL, KLD, top-token."),
     "recommend": ("eval", "recommend_cmd", "The best measured level that fits this machine."),
     "bench": ("bench", "bench_cmd", "Tokens/s and memory, beside llama-bench."),
-    "serve": ("serve", "serve_cmd", "Serve the store over an OpenAI-compatible API."),
+    "serve": ("serve", "serve_cmd", "Serve the store over OpenAI's and Ollama's APIs."),
+    "embed": ("embed", "embed_cmd", "Embeddings of texts (pooled, L2-normalised), for scripts."),
     "worker": ("worker", "worker_cmd", "Run a llama.cpp RPC worker that hosts split models onto (--rpc)."),
     "tui": ("tui", "tui_cmd", "Open the terminal UI (also: `edgellm` with no arguments)."),
 }

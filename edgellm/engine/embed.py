@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 import llama_cpp
 
 from edgellm.engine.decode import Batch, token_piece
+from edgellm.engine.native_io import capture_native_stderr
 from edgellm.errors import UsageError
 
 POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
@@ -74,7 +75,8 @@ class Embedder:
         # Flash attention's tiles make a vector depend on what else is in the batch (cosine 0.9998 against the
         # same input alone on the default model); without it batched and lone inputs agree to 1e-5.
         params.flash_attn_type = 0
-        self.ctx_obj = _internals.LlamaContext(model=model, params=params, verbose=False)
+        with capture_native_stderr():  # llama.cpp notes the pooling override on stderr; the warning above says it once
+            self.ctx_obj = _internals.LlamaContext(model=model, params=params, verbose=False)
         self.ctx = self.ctx_obj.ctx
         self.pooling = POOLING.get(int(llama_cpp.llama_pooling_type(self.ctx)), pooling)
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
@@ -130,6 +132,25 @@ class Embedder:
             self.ctx_obj = None
 
 
+def embed_texts(path: Any, texts: Sequence[str], *, n_ctx: int = 1024, n_threads: Optional[int] = None,
+                pooling: Optional[str] = None) -> Embeddings:
+    """Load the GGUF at `path` and embed `texts` (each at most `n_ctx` tokens): what `edgellm embed` runs.
+
+    Raises `InputTooLong`, `UsageError`, or the load's own errors (`ModelNotFound`, `InsufficientResources`).
+    """
+    from edgellm.engine.runtime import Runtime, RuntimeOptions
+
+    rt = Runtime(path, RuntimeOptions(n_ctx=n_ctx, n_threads=n_threads))
+    try:
+        emb = Embedder(rt, n_ctx=n_ctx, pooling=pooling)
+        try:
+            return emb.embed([rt.tokenize(t, add_bos=True, special=True) for t in texts])
+        finally:
+            emb.close()
+    finally:
+        rt.close()
+
+
 @dataclass
 class TokenLogprob:
     token: int
@@ -154,4 +175,4 @@ def token_logprobs(ctx: Any, vocab: Any, n_vocab: int, row: int, token: int, k: 
     return TokenLogprob(token, token_piece(vocab, token, special=False), float(logits[token] - lse), top)
 
 
-__all__ = ["Embedder", "Embeddings", "InputTooLong", "TokenLogprob", "token_logprobs", "POOLING"]
+__all__ = ["Embedder", "Embeddings", "embed_texts", "InputTooLong", "TokenLogprob", "token_logprobs", "POOLING"]
