@@ -16,13 +16,38 @@ from pathlib import Path
 from typing import Any, Optional
 
 from edgellm.errors import ModelExists, QuantizeError, UsageError
-from edgellm.gguf.reader import GGUFInfo
-from edgellm.models.resolve import Resolved, derived_name, record_from_info
+from edgellm.gguf.reader import GGUFInfo, read_gguf
+from edgellm.models.resolve import Resolved, derived_name, record_from_info, resolve
 from edgellm.models.store import ModelRecord, Store, validate_name
+import os
 
 log = logging.getLogger(__name__)
 
 FLOAT_LEVELS = ("f32", "f16", "bf16")
+
+
+@dataclass(frozen=True)
+class BaseInput:
+    """The model a job starts from, resolved and parsed once and passed down (quantize, --budget, --recipe)."""
+
+    resolved: Resolved
+    info: GGUFInfo
+
+    @property
+    def path(self) -> Path:
+        return self.resolved.path
+
+    @property
+    def label(self) -> str:
+        return self.resolved.label
+
+
+def open_input(ref: str | Path | BaseInput, store: Store) -> BaseInput:
+    """`ref` (a store name, `catalog:level` or a path) resolved and validated with read_gguf; a BaseInput as it is."""
+    if isinstance(ref, BaseInput):
+        return ref
+    resolved = resolve(str(ref), store=store)
+    return BaseInput(resolved, read_gguf(resolved.path))
 
 
 @dataclass
@@ -90,7 +115,6 @@ def plan_output(
 
 def check_writable(folder: Path) -> None:
     """Fail early with the OS's reason if the output folder cannot take a file."""
-    import os
 
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -1,66 +1,22 @@
 """llama-imatrix's collector (IMatrixCollector::collect_imatrix), as the context's eval callback.
 
 See quant/imatrix.py for the algorithm as a whole; this module is the part
-that reads ggml's tensors through ctypes.
+that reads ggml's tensors (through quant/_ggml.py's bindings).
 """
 
 from __future__ import annotations
 
 import ctypes
-import glob
-from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
 from edgellm.errors import EvalError, RuntimeFailure
+from quant._ggml import GGML, ggml
+from quant._ggml import Tensor as _Tensor
 from quant.imatrix_file import Entry, IMatrix
 
 _MIN_ROWS = 16  # llama-imatrix ignores smaller batches
-
-
-# -- ggml's tensor, as the eval callback hands it over ------------------------
-
-
-class _Tensor(ctypes.Structure):
-    """struct ggml_tensor of the pinned ggml.h (checked against ggml_tensor_overhead at start)."""
-
-    _fields_ = [
-        ("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4),
-        ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16), ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p), ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64), ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8),
-    ]
-
-
-_GGML_OBJECT_SIZE = 32  # struct ggml_object: offs, size, next, type + 4 bytes padding
-
-
-class _GGML:
-    """The few libggml-base functions the collector needs, from llama-cpp-python's own lib folder."""
-
-    def __init__(self) -> None:
-        import llama_cpp
-
-        libdir = Path(llama_cpp.__file__).resolve().parent / "lib"
-        found = sorted(glob.glob(str(libdir / "libggml-base.*")) + glob.glob(str(libdir / "ggml-base.dll")))
-        if not found:
-            raise RuntimeFailure(f"libggml-base not found in {libdir}; reinstall with scripts/setup.sh")
-        lib = ctypes.CDLL(found[0])
-        lib.ggml_tensor_overhead.restype = ctypes.c_size_t
-        lib.ggml_op_name.restype = ctypes.c_char_p
-        lib.ggml_op_name.argtypes = [ctypes.c_int]
-        lib.ggml_backend_buffer_is_host.restype = ctypes.c_bool
-        lib.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
-        lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
-        lib.ggml_backend_tensor_get.restype = None
-        lib.ggml_nbytes.restype = ctypes.c_size_t
-        lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-        if lib.ggml_tensor_overhead() != _GGML_OBJECT_SIZE + ctypes.sizeof(_Tensor):
-            raise RuntimeFailure("this llama.cpp build's ggml_tensor layout is not the pinned one; the importance "
-                                 "matrix cannot be read safely")
-        ops = {lib.ggml_op_name(i).decode(): i for i in range(48)}
-        self.lib, self.mul_mat, self.mul_mat_id = lib, ops["MUL_MAT"], ops["MUL_MAT_ID"]
 
 
 def _weight_name(raw: bytes) -> str:
@@ -75,7 +31,7 @@ class Collector:
     """IMatrixCollector::collect_imatrix, in numpy. Used as the context's cb_eval."""
 
     def __init__(self, chunk_size: int, process_output: bool = False) -> None:
-        self.g = _GGML()
+        self.g: GGML = ggml()
         self.chunk_size = chunk_size
         self.process_output = process_output
         self.values: dict[str, np.ndarray] = {}  # float32 (n_mat, cols)

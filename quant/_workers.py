@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from edgellm.errors import BackendCrash, QuantizeError
+import signal as _signal
 
 if TYPE_CHECKING:  # annotations only: prestart() runs before the command imports these
     from quant._common import OutputPlan
@@ -170,7 +171,6 @@ class Worker:
             r.join(timeout=2)
         words = last_words(job.run, self.stderr_tail)
         if rc is not None and rc < 0:
-            import signal as _signal
 
             try:
                 sig = _signal.Signals(-rc).name
@@ -202,8 +202,8 @@ def last_words(run: Run, stderr_tail: deque) -> str:
     return "no output"
 
 
-def llama_failure(job: Job, worker: "Worker") -> QuantizeError:
+def llama_failure(job: Job, worker: "Worker", model: str) -> QuantizeError:
     reason = job.run.error or last_words(job.run, worker.stderr_tail)
     if "iostream error" in reason or "failbit" in reason:
         reason = f"could not write {job.tmp.parent} (disk full or a file size limit?) [{reason}]"
-    return QuantizeError(f"llama.cpp could not quantize to {job.level.key}: {reason}")
+    return QuantizeError(f"llama.cpp could not quantize {model} to {job.level.key}: {reason}")

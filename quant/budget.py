@@ -33,14 +33,14 @@ those whose block divides the row width, so llama.cpp never falls back.
 
 from __future__ import annotations
 
-import ctypes
 import heapq
+from collections import Counter
 import json
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -49,13 +49,16 @@ from edgellm.engine.memory import DEFAULT_CTX, available_ram, weights_room
 from edgellm.errors import QuantizeError, UsageError
 from edgellm.fsutil import atomic_write_text, sha256_file
 from edgellm.gguf.layout import read_tensors
+from edgellm.gguf.reader import GGUFInfo
 from edgellm.models.store import Store
-from edgellm.progress import Progress, no_progress
+from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
 from quant import sensitivity
-from quant._common import base_name
-from quant.imatrix import _GGML, choose_imatrix
-from quant.quantize import quantize
-from quant.recipe import FILE_TYPE, TYPES, llama_quantize_text, resolve_base, tt_overrides
+from quant._common import BaseInput, base_name
+from quant._ggml import ggml
+from quant.imatrix import calibration_text, choose_imatrix
+from quant.imatrix_file import IMatrix
+from quant.quantize import QuantizeResult, TensorOverrides, quantize
+from quant.recipe import FILE_TYPE, TYPES, Recipe, llama_quantize_text, resolve_base
 
 SAMPLE_ROWS = 256
 @dataclass
@@ -67,7 +70,7 @@ class Budget:
         return {"bytes": self.bytes, "text": self.text}
 
 
-def parse_budget(text: str, info: Any, *, ctx: int = DEFAULT_CTX) -> Budget:
+def parse_budget(text: str, info: GGUFInfo, *, ctx: int = DEFAULT_CTX) -> Budget:
     """`100MB`, `95.5MiB`, `4.5bpw` (bits per weight over the whole file), or `ram` (what this machine
     can hold beside a `ctx`-token KV cache, compute buffers and the process: edgellm.engine.memory's estimate)."""
     t = text.strip().lower().replace(" ", "")
@@ -86,27 +89,6 @@ def parse_budget(text: str, info: Any, *, ctx: int = DEFAULT_CTX) -> Budget:
     return Budget(n, text)
 
 
-def _ggml() -> Any:
-    lib = _GGML().lib
-    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                        ctypes.c_int64, ctypes.c_void_p]
-    lib.ggml_row_size.restype = ctypes.c_size_t
-    lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
-
-    class Traits(ctypes.Structure):
-        _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64), ("blck_size_interleave", ctypes.c_int64),
-                    ("type_size", ctypes.c_size_t), ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
-                    ("from_float_ref", ctypes.c_void_p)]
-
-    lib.ggml_get_type_traits.restype = ctypes.POINTER(Traits)
-    lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
-    return lib
-
-
-_TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
-
-
 @dataclass
 class Matrix:
     name: str
@@ -115,11 +97,11 @@ class Matrix:
     options: list[tuple[str, int, float]]  # (type, bytes, weighted error), cheapest first
 
 
-def measure(model_path: Path, imatrix: Any, types: Sequence[str], *, cancel: Any = None,
-            on_progress: Any = None) -> tuple[list[Matrix], int]:
+def measure(model_path: Path, imatrix: IMatrix, types: Sequence[str], *, cancel: Optional[CancelToken] = None,
+            on_progress: Optional[ProgressCallback] = None) -> tuple[list[Matrix], int]:
     """Every quantizable matrix's (type, bytes, error) options; and the bytes of the tensors kept as they are."""
 
-    lib = _ggml()
+    g = ggml()
     parsed = read_tensors(model_path)
     entries = {n: e.normalized().astype(np.float32) for n, e in imatrix.entries.items()}
     attn_in = [v for n, v in entries.items() if n.endswith("attn_q.weight")]
@@ -145,12 +127,8 @@ def measure(model_path: Path, imatrix: Any, types: Sequence[str], *, cancel: Any
             tid, blk = TYPES[name]
             if cols % blk:
                 continue
-            row_bytes = lib.ggml_row_size(tid, cols)
-            dst = np.empty(row_bytes * len(pick), np.uint8)
-            imp_ptr = imp.ctypes.data if imp is not None else None
-            lib.ggml_quantize_chunk(tid, src.ctypes.data, dst.ctypes.data, 0, len(pick), cols, imp_ptr)
-            back = np.empty_like(src)
-            _TO_FLOAT(lib.ggml_get_type_traits(tid).contents.to_float)(dst.ctypes.data, back.ctypes.data, src.size)
+            row_bytes = g.row_size(tid, cols)
+            back = g.to_float(tid, g.quantize(tid, src, imp), src.shape)
             d2 = np.square(src - back, dtype=np.float64)
             err = float((d2 * weight).sum() if weight is not None else d2.sum()) * rows / len(pick)
             options.append((name, rows * row_bytes, err))
@@ -164,7 +142,7 @@ def measure(model_path: Path, imatrix: Any, types: Sequence[str], *, cancel: Any
     return mats, kept
 
 
-def check_budget(model_path: Path, info: Any, budget: Budget, exclude: Sequence[str]) -> tuple[list[str], set[str], int, int]:
+def check_budget(model_path: Path, info: GGUFInfo, budget: Budget, exclude: Sequence[str]) -> tuple[list[str], set[str], int, int]:
     """(candidate types, excluded, metadata overhead, smallest file); refuses an impossible budget
     from sizes alone, before any measuring."""
     excl = {e.strip().upper() for e in exclude if e.strip()}
@@ -187,10 +165,10 @@ def check_budget(model_path: Path, info: Any, budget: Budget, exclude: Sequence[
 def smallest_bytes(model_path: Path, types: Sequence[str]) -> int:
     """Tensor bytes with every matrix in its cheapest candidate type (the rest as they are)."""
 
-    lib = _ggml()
+    g = ggml()
     total = 0
     for t in read_tensors(model_path).tensors:
-        sizes = [t.shape[1] * lib.ggml_row_size(TYPES[n][0], t.shape[0]) for n in types
+        sizes = [t.shape[1] * g.row_size(TYPES[n][0], t.shape[0]) for n in types
                  if len(t.shape) == 2 and t.name.endswith(".weight") and t.type_name in ("F16", "F32")
                  and t.shape[0] % TYPES[n][1] == 0]
         total += min(sizes) if sizes else t.n_bytes
@@ -237,75 +215,156 @@ def allocate(mats: list[Matrix], limit: int) -> tuple[dict[str, str], int]:
     return {n: hulls[n][level[n]][0] for n in hulls}, used
 
 
-def plan(model_path: Path, info: Any, imatrix: Any, budget: Budget, *, exclude: Sequence[str] = (),
-         cancel: Any = None, on_progress: Any = None, imatrix_path: Optional[Path] = None,
+MAX_ROUNDS = 3  # probe what the allocation picks, allocate again; stops when every pick is measured
+PICKS_PER_GROUP = 2  # per round, a group's most used unmeasured picks: the rest borrow the nearest measured gain
+
+
+def type_bpw(type_name: str) -> float:
+    """Bits per weight of a candidate type (a row of 8192 values fits every block)."""
+    return ggml().row_size(TYPES[type_name][0], 8192) * 8 / 8192
+
+
+def _scaled(mats: list[Matrix], gain: Callable[[str, str], float], n_layers: int) -> list[Matrix]:
+    out = []
+    for m in mats:
+        g = sensitivity.group_of(m.name, n_layers)
+        out.append(Matrix(m.name, m.rows, m.cols, [(t, b, e * gain(g, t)) for t, b, e in m.options]))
+    return out
+
+
+def _wanted(groups: dict[str, list[Matrix]], choice: Optional[dict[str, str]], results: dict[tuple[str, str], sensitivity.ProbeResult],
+            target_bpw: float) -> list[tuple[str, str, list[str], float]]:
+    """The (group, type) probes the next allocation needs: before the first one, each group in its type
+    nearest the budget's bits per weight; after, every type the allocation picked that is not measured."""
+    want = []
+    for g, ms in groups.items():
+        opts = ms[0].options  # a group is one kind of matrix: the same shape, the same candidate types
+        if choice is None:
+            picks = {min(opts, key=lambda o: (abs(type_bpw(o[0]) - target_bpw), o[1]))[0]}
+            if any(k[0] == g for k in results):
+                picks = set()  # measured before at some type: its gain stands in until the allocation asks
+        else:
+            used = Counter(choice[m.name] for m in ms if (g, choice[m.name]) not in results)
+            picks = {t for t, _n in used.most_common(PICKS_PER_GROUP)}
+        for t in sorted(picks):
+            if (g, t) not in results:
+                err = sum(next(o[2] for o in m.options if o[0] == t) for m in ms)
+                want.append((g, t, [m.name for m in ms], err))
+    return want
+
+
+# long: the search's rounds (probe, allocate, probe what it picked), with the prober's lifetime and the cache around them
+def calibrated_choice(model_path: Path, tensors: Sequence[sensitivity.TensorInfo], imatrix: IMatrix, mats: list[Matrix],
+                      limit: int, *, n_layers: int, model_sha256: str, imatrix_sha256: str, threads: Optional[int],
+                      cancel: Optional[CancelToken], on_progress: Optional[ProgressCallback],
+                      ) -> tuple[dict[str, str], int, dict[str, Any]]:
+    """The allocation with each matrix's error scaled by its group's measured KLD per unit of error in the
+    type at hand (quant/sensitivity.py); probes are measured as the allocation asks for them."""
+    t0 = time.perf_counter()
+    key = sensitivity.cache_key(model_sha256, imatrix_sha256)
+    results = sensitivity.load_results(key)
+    cached = len(results)
+    groups: dict[str, list[Matrix]] = {}
+    for m in mats:
+        groups.setdefault(sensitivity.group_of(m.name, n_layers), []).append(m)
+    elements = sum(m.rows * m.cols for m in mats)
+    target = limit * 8 / max(1, elements)
+    entries = {n: e.normalized().astype(np.float32) for n, e in imatrix.entries.items()}
+    prober = sensitivity.Prober(model_path, {t.name: t for t in tensors}, entries, threads=threads, cancel=cancel)
+    choice: Optional[dict[str, str]] = None
+    used, rounds = 0, 0
+    type_ids = {k: v[0] for k, v in TYPES.items()}
+    try:
+        for rounds in range(1, MAX_ROUNDS + 1):
+            want = _wanted(groups, choice, results, target)
+            if not want and choice is not None:
+                break
+            if want:
+                missing = [w for w in want if not prober.can_probe(w[2])]
+                want = [w for w in want if w not in missing]
+                sensitivity.run_probes(prober, want, type_ids, results, on_progress=on_progress, cancel=cancel)
+            gain = sensitivity.gain_lookup(results, type_bpw)
+            choice, used = allocate(_scaled(mats, gain, n_layers), limit)
+    finally:
+        prober.close()
+    if len(results) > cached:
+        sensitivity.save_results(key, results)
+    info = {"probes_measured": len(results) - cached, "probes_cached": cached, "rounds": rounds,
+            "probe_seconds": round(prober.seconds, 3), "seconds": round(time.perf_counter() - t0, 3),
+            "tokens": sensitivity.PROBE_CHUNKS * sensitivity.PROBE_CTX, "text": calibration_text().label,
+            "text_sha256": calibration_text().sha256,
+            "groups": {g: {t: {"kld": r.kld, "kld_err": r.kld_err, "error": r.error, "gain": r.gain}
+                           for (gg, t), r in sorted(results.items()) if gg == g} for g in groups}}
+    return choice or {}, used, info
+
+
+def plan(model_path: Path, info: GGUFInfo, imatrix: IMatrix, budget: Budget, *, exclude: Sequence[str] = (),
+         cancel: Optional[CancelToken] = None, on_progress: Optional[ProgressCallback] = None, calibrate: bool = True,
          model_sha256: Optional[str] = None, imatrix_sha256: Optional[str] = None,
-         threads: Optional[int] = None) -> dict[str, Any]:
+         threads: Optional[int] = None) -> Recipe:
     """The recipe for `budget`: measured, allocated, with its exact predicted size and the search cost.
 
-    With `imatrix_path`, each matrix's error is scaled by its group's gain measured on the calibration
-    text (quant/sensitivity.py); without, the proxy errors count as they are."""
+    With `calibrate`, each matrix's error is scaled by its group's gain in that type, measured on the
+    calibration text (quant/sensitivity.py); without, the proxy errors count as they are."""
     t0 = time.perf_counter()
     types, excl, overhead, smallest = check_budget(model_path, info, budget, exclude)
     mats, kept = measure(model_path, imatrix, types, cancel=cancel, on_progress=on_progress)
-    gains: dict[str, float] = {}
+    limit = budget.bytes - overhead - kept
     calibration: dict[str, Any] = {}
-    if imatrix_path is not None:
-        gains, calibration = sensitivity.measure_gains(
-            model_path, imatrix_path, mats, types, type_ids={k: v[0] for k, v in TYPES.items()},
-            model_sha256=model_sha256 or sha256_file(model_path),
-            imatrix_sha256=imatrix_sha256 or sha256_file(imatrix_path), n_layers=info.block_count, threads=threads,
-            cancel=cancel, on_progress=on_progress)
-        mats = [Matrix(m.name, m.rows, m.cols,
-                       [(t, b, e * gains[sensitivity.group_of(m.name, info.block_count)]) for t, b, e in m.options])
-                for m in mats]
-    choice, used = allocate(mats, budget.bytes - overhead - kept)
-    recipe = [(f"^{re.escape(m.name)}$", choice[m.name]) for m in mats]
-    return {
-        "architecture": info.architecture, "block_count": info.block_count, "file_type": FILE_TYPE,
-        "budget": budget.to_json(), "excluded_types": sorted(excl), "predicted_bytes": overhead + kept + used,
-        "smallest_bytes": smallest, "tensor_types": recipe,
-        "type_counts": {t: sum(1 for v in choice.values() if v == t) for t in sorted(set(choice.values()))},
-        "search_seconds": round(time.perf_counter() - t0, 3),
-        "measure": "imatrix-weighted squared error" + (" x KLD per unit error of its group, measured on the "
-                                                       "calibration text" if gains else ""),
-        "group_gains": {g: float(f"{v:.6g}") for g, v in gains.items()}, "calibration": calibration,
-    }
+    if calibrate:
+        choice, used, calibration = calibrated_choice(
+            model_path, read_tensors(model_path).tensors, imatrix, mats, limit, n_layers=info.block_count,
+            model_sha256=model_sha256 or sha256_file(model_path), imatrix_sha256=imatrix_sha256 or "none",
+            threads=threads, cancel=cancel, on_progress=on_progress)
+    else:
+        choice, used = allocate(mats, limit)
+    return Recipe(
+        architecture=info.architecture, block_count=info.block_count, file_type=FILE_TYPE, budget=budget.to_json(),
+        excluded_types=sorted(excl), predicted_bytes=overhead + kept + used, smallest_bytes=smallest,
+        tensor_types=[(f"^{re.escape(m.name)}$", choice[m.name]) for m in mats],
+        type_counts={t: sum(1 for v in choice.values() if v == t) for t in sorted(set(choice.values()))},
+        search_seconds=round(time.perf_counter() - t0, 3),
+        measure="imatrix-weighted squared error" + (" x KLD per unit error of its group in that type, measured "
+                                                    "on the calibration text" if calibrate else ""),
+        calibration=calibration)
 
 
-def quantize_to_budget(model: str | Path, *, budget: str, exclude: Sequence[str] = (), imatrix: Optional[str] = None,
-                       output: Optional[Path] = None, threads: Optional[int] = None, force: bool = False,
-                       store: Any = None, on_progress: Any = None, cancel: Any = None) -> tuple[Any, dict[str, Any]]:
+def quantize_to_budget(model: str | Path | BaseInput, *, budget: str, exclude: Sequence[str] = (),
+                       imatrix: Optional[str] = None, output: Optional[Path] = None, threads: Optional[int] = None,
+                       force: bool = False, store: Optional[Store] = None, on_progress: Optional[ProgressCallback] = None,
+                       cancel: Optional[CancelToken] = None) -> tuple[QuantizeResult, Recipe]:
     """`--budget SIZE`: search the per-tensor types, save them as a recipe, quantize with them.
 
     Returns (QuantizeResult, recipe); the recipe carries `search_seconds`
     (measurement and allocation) apart from the result's quantization time.
+    The input is resolved and parsed once, here, and handed down.
     `--recipe FILE` is quant/recipe.py's `apply_recipe`.
     """
 
     on_progress = on_progress or no_progress
     store = store or Store()
-    resolved, info = resolve_base(model, store)
+    src = resolve_base(model, store)
+    resolved, info = src.resolved, src.info
     b = parse_budget(budget, info)
     check_budget(resolved.path, info, b, exclude)
     # an imatrix first: the search measures with it and the quantization uses it
     choice = choose_imatrix(imatrix or "auto", resolved, store=store, on_progress=on_progress, cancel=cancel)
     recipe = plan(resolved.path, info, choice.matrix, b, exclude=exclude, cancel=cancel, on_progress=on_progress,
-                  imatrix_path=choice.path, imatrix_sha256=choice.sha256, threads=threads,
+                  imatrix_sha256=choice.sha256, threads=threads,
                   model_sha256=resolved.record.sha256 if resolved.record is not None else None)
-    recipe.update(model=resolved.label, imatrix=choice.lineage())
+    recipe.model, recipe.imatrix = resolved.label, choice.lineage()
     label = "budget-" + re.sub(r"[^a-z0-9.]", "", budget.lower())
     jpath = paths.home() / "recipes" / f"{base_name(resolved, info)}-{label}.json"
-    atomic_write_text(jpath, json.dumps(recipe, indent=1) + "\n")
-    atomic_write_text(jpath.with_suffix(".txt"), llama_quantize_text(recipe["tensor_types"]))
+    recipe.file = str(jpath)
+    atomic_write_text(jpath, json.dumps(recipe.to_json(), indent=1) + "\n")
+    atomic_write_text(jpath.with_suffix(".txt"), llama_quantize_text(recipe.tensor_types))
     written = [jpath, jpath.with_suffix(".txt")]
-    recipe["file"] = str(jpath)
-    lineage = {k: recipe[k] for k in ("file", "budget", "excluded_types", "predicted_bytes", "type_counts",
-                                       "search_seconds")}
+    lineage: dict[str, Any] = {"file": recipe.file, "budget": recipe.budget, "excluded_types": recipe.excluded_types,
+                               "predicted_bytes": recipe.predicted_bytes, "type_counts": recipe.type_counts,
+                               "search_seconds": recipe.search_seconds}
     try:
-        res = quantize(resolved.record.name if resolved.record is not None else resolved.path, [FILE_TYPE],
-                       output=output, threads=threads, force=force, imatrix=choice,  # type: ignore[arg-type]
-                       tensor_types=tt_overrides(recipe["tensor_types"]), recipe=lineage, label=label, store=store,
+        res = quantize(src, [FILE_TYPE], output=output, threads=threads, force=force, imatrix=choice,
+                       overrides=TensorOverrides(recipe.overrides(), lineage, label), store=store,
                        on_progress=on_progress, cancel=cancel)[0]
     except BaseException:
         for p in written:

@@ -68,7 +68,7 @@ from edgellm.progress import (
     RateMeter,
     no_progress,
 )
-from quant._imatrix_collect import _GGML, Collector  # noqa: F401 (quant.budget uses _GGML from here)
+from quant._imatrix_collect import Collector
 from quant.corpus import Text, load_text
 from quant.imatrix_file import IMatrix, check_against_model, encode, read_imatrix
 from quant.perplexity import DEFAULT_UBATCH, _Batch, _quiet_llama, plan_chunks, tokenize

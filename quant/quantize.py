@@ -39,7 +39,7 @@ from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from edgellm.engine.memory import available_ram, default_threads
 from edgellm.errors import Cancelled, GGUFError, QuantizeError, UsageError
@@ -52,7 +52,7 @@ from edgellm.fsutil import (
     sync_soon,
 )
 from edgellm.gguf.reader import GGUFInfo, read_gguf
-from edgellm.models.resolve import Resolved, resolve
+from edgellm.models.resolve import Resolved
 from edgellm.models.store import ModelRecord, Store
 from edgellm.progress import (
     CancelToken,
@@ -62,9 +62,11 @@ from edgellm.progress import (
     no_progress,
 )
 from quant._common import (
+    BaseInput,
     OutputPlan,
     check_writable,
     inherited_lineage,
+    open_input,
     plan_output,
     register_output,
     result_json,
@@ -80,7 +82,19 @@ from quant.levels import (
     type_bpw,
 )
 
+if TYPE_CHECKING:  # annotations only: quant.imatrix loads numpy and the engine, which a plain level never needs
+    from quant.imatrix import ImatrixChoice
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorOverrides:
+    """Per-tensor types for llama.cpp (its tt_overrides), what the output records about them, and its name."""
+
+    pairs: list[tuple[str, int]]  # (regex over tensor names, ggml type id), first match wins
+    lineage: dict[str, Any]  # the recipe's file, budget, ... as the store record keeps it
+    label: str  # names the output in place of the level: `<base>-budget-90mb`
 
 
 @dataclass
@@ -113,7 +127,7 @@ class QuantizeResult:
 
 
 def quantize(
-    model_ref_or_path: str | Path,
+    model_ref_or_path: str | Path | BaseInput,
     levels: Sequence[str] | str,
     *,
     output: Optional[Path | str] = None,
@@ -121,10 +135,8 @@ def quantize(
     allow_requantize: bool = False,
     force: bool = False,
     jobs: Optional[int] = None,
-    imatrix: Optional[str] = None,
-    tensor_types: Optional[list[list[Any]]] = None,
-    recipe: Optional[dict[str, Any]] = None,
-    label: Optional[str] = None,
+    imatrix: Optional[str | ImatrixChoice] = None,
+    overrides: Optional[TensorOverrides] = None,
     store: Optional[Store] = None,
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
@@ -144,11 +156,13 @@ def quantize(
     registered if another one fails. Results come back in the order asked.
 
     `imatrix` (a stored matrix's name, an imatrix GGUF file, or "auto": see
-    quant.imatrix.choose_imatrix) is passed to llama.cpp as llama-quantize
-    --imatrix passes it; it makes the levels that need one available and
-    names the outputs `<base>-<level>-imat`. `tensor_types` ([[regex, ggml
-    type id], ...]) go to llama.cpp as tt_overrides (quant/budget.py's
-    recipes, recorded as `recipe`), and `label` then names the output.
+    quant.imatrix.choose_imatrix, or the ImatrixChoice it returned) is passed
+    to llama.cpp as llama-quantize --imatrix passes it; it makes the levels
+    that need one available and names the outputs `<base>-<level>-imat`.
+    `overrides` (quant/budget.py's and quant/recipe.py's per-tensor types) go
+    to llama.cpp as tt_overrides, and their label names the output.
+    `model_ref_or_path` may be a BaseInput (quant._common.open_input) that the
+    caller already resolved and parsed: it is not parsed again.
 
     Raises UsageError (unknown level, no level, -o file with several levels),
     ModelNotFound, GGUFError, QuantizeError (importance matrix needed, same
@@ -180,8 +194,7 @@ def quantize(
             workers.append(Worker.get(events, n))
         return _quantize_all(model_ref_or_path, wanted, workers, events, output=output, nthread=nthread,
                              allow_requantize=allow_requantize, force=force, imatrix=imatrix, store=store,
-                             on_progress=on_progress, cancel=cancel,
-                             recipe={"tensor_types": tensor_types, "lineage": recipe, "label": label})
+                             on_progress=on_progress, cancel=cancel, overrides=overrides)
     finally:
         for w in workers:
             w.close()
@@ -196,7 +209,7 @@ def _split(nthread: int, n: int) -> list[int]:
 
 
 def _quantize_all(
-    model_ref_or_path: str | Path,
+    model_ref_or_path: str | Path | BaseInput,
     wanted: list[Level],
     workers: list["Worker"],
     events: queue.Queue,
@@ -205,15 +218,14 @@ def _quantize_all(
     nthread: int,
     allow_requantize: bool,
     force: bool,
-    imatrix: Any,
+    imatrix: Optional[str | ImatrixChoice],
     store: Store,
     on_progress: ProgressCallback,
     cancel: Optional[CancelToken],
-    recipe: Optional[dict[str, Any]] = None,
+    overrides: Optional[TensorOverrides] = None,
 ) -> list[QuantizeResult]:
-    resolved = resolve(str(model_ref_or_path), store=store)
-    info = read_gguf(resolved.path)
-    label = resolved.label
+    src = open_input(model_ref_or_path, store)
+    resolved, info, label = src.resolved, src.info, src.label
     if info.split_count > 1:
         raise QuantizeError(f"{label} is a split GGUF; merge it first (llama-gguf-split --merge)")
     warnings = check_levels(wanted, info, label, allow_requantize=allow_requantize, has_imatrix=imatrix is not None)
@@ -229,9 +241,8 @@ def _quantize_all(
         if not out.is_dir():
             raise UsageError(f"-o {output}: with several levels, -o must be an existing folder")
     suffix = "-imat" if choice is not None else ""
-    label = (recipe or {}).get("label")
-    plans = [plan_output(resolved, info, label or lv.key + suffix, output=output, name=None, force=force, store=store)
-             for lv in wanted]
+    plans = [plan_output(resolved, info, overrides.label if overrides else lv.key + suffix, output=output, name=None,
+                         force=force, store=store) for lv in wanted]
     if len({p.path for p in plans}) != len(plans):
         raise UsageError("two levels would write the same file; give -o a folder")
     need: dict[Path, int] = {}
@@ -252,7 +263,7 @@ def _quantize_all(
         cancel.check()
     return _run_levels(resolved, info, list(zip(wanted, plans)), workers, events, nthread=nthread,
                        allow_requantize=allow_requantize, warnings=warnings, store=store, on_progress=on_progress,
-                       cancel=cancel, imatrix=choice, recipe=recipe)
+                       cancel=cancel, imatrix=choice, overrides=overrides)
 
 
 def _fits_side_by_side(info: GGUFInfo, n: int) -> bool:
@@ -287,8 +298,8 @@ def _run_levels(
     store: Store,
     on_progress: ProgressCallback,
     cancel: Optional[CancelToken],
-    imatrix: Any = None,
-    recipe: Optional[dict[str, Any]] = None,
+    imatrix: Optional[ImatrixChoice] = None,
+    overrides: Optional[TensorOverrides] = None,
 ) -> list[QuantizeResult]:
     """Feed the levels to the workers; finish each one on a side thread as it completes."""
     per_level = info.tensor_count
@@ -310,8 +321,8 @@ def _run_levels(
                 "nthread": worker.threads, "allow_requantize": allow_requantize}
         if imatrix is not None:
             spec.update(imatrix=str(imatrix.path), imatrix_label=str(imatrix.path))
-        if recipe and recipe.get("tensor_types"):
-            spec["tt_overrides"] = recipe["tensor_types"]
+        if overrides is not None and overrides.pairs:
+            spec["tt_overrides"] = [list(p) for p in overrides.pairs]
         worker.submit(spec)
         active[worker] = job
 
@@ -356,11 +367,11 @@ def _run_levels(
             elif "done" in msg:
                 job.run.rc, job.run.seconds = int(msg["done"]), float(msg.get("seconds", 0.0))
                 if job.run.rc != 0:
-                    raise llama_failure(job, worker)
+                    raise llama_failure(job, worker, resolved.label)
                 del active[worker]
                 finishing[job.index] = finisher.submit(
                     _finish, job, resolved=resolved, info=info, nthread=nthread, warnings=warnings, store=store,
-                    cancel=cancel, imatrix=imatrix, recipe=(recipe or {}).get("lineage"))
+                    cancel=cancel, imatrix=imatrix, recipe=overrides.lineage if overrides else None)
                 if pending:
                     start(worker)
                 report(f"{job.level.key}: written")
@@ -396,7 +407,7 @@ def _finish(
     warnings: list[str],
     store: Store,
     cancel: Optional[CancelToken],
-    imatrix: Any = None,
+    imatrix: Optional[ImatrixChoice] = None,
     recipe: Optional[dict[str, Any]] = None,
 ) -> QuantizeResult:
     """Validate, hash and sync one finished temp file, rename it into place and register it."""
@@ -480,4 +491,4 @@ def describe(result: QuantizeResult) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["QuantizeResult", "quantize", "describe"]
+__all__ = ["QuantizeResult", "TensorOverrides", "quantize", "describe"]

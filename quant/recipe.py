@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from edgellm.errors import QuantizeError, UsageError
 from edgellm.gguf.layout import model_matmul_widths
-from edgellm.gguf.reader import read_gguf
-from edgellm.models.resolve import resolve
 from edgellm.models.store import Store
+from edgellm.progress import CancelToken, ProgressCallback, no_progress
+from quant._common import BaseInput, open_input
 from quant.levels import is_quantized
-from quant.quantize import quantize
+from quant.quantize import QuantizeResult, TensorOverrides, quantize
+
+if TYPE_CHECKING:  # annotations only: quant.imatrix loads numpy, which applying a recipe without a matrix skips
+    from quant.imatrix import ImatrixChoice
 
 FILE_TYPE = "q4_k_m"  # the file type llama.cpp records; every quantized tensor is overridden anyway
 # ggml_type ids of the pinned ggml.h, and their block widths
@@ -31,29 +35,59 @@ TYPES: dict[str, tuple[int, int]] = {
 }
 
 
-def load_recipe(path: Path | str) -> dict[str, Any]:
+@dataclass
+class Recipe:
+    """One type per tensor (anchored name pattern -> ggml type name), with how it was found.
+
+    `--budget` writes it (quant/budget.py), `--recipe` reads it back; its JSON is the file's content."""
+
+    architecture: str
+    tensor_types: list[tuple[str, str]]
+    block_count: int = 0
+    file_type: str = FILE_TYPE
+    budget: dict[str, Any] = field(default_factory=dict)  # {"bytes": n, "text": "90MB"}
+    excluded_types: list[str] = field(default_factory=list)
+    predicted_bytes: int = 0
+    smallest_bytes: int = 0
+    type_counts: dict[str, int] = field(default_factory=dict)
+    search_seconds: float = 0.0
+    measure: str = ""
+    calibration: dict[str, Any] = field(default_factory=dict)  # the sensitivity probes (quant/sensitivity.py)
+    model: Optional[str] = None
+    imatrix: Optional[dict[str, Any]] = None  # ImatrixChoice.lineage()
+    file: str = ""  # where it is saved
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tensor_types"] = [list(p) for p in self.tensor_types]
+        return d
+
+    def overrides(self) -> list[tuple[str, int]]:
+        return tt_overrides(self.tensor_types)
+
+
+def load_recipe(path: Path | str) -> Recipe:
     p = Path(path).expanduser()
     try:
         r = json.loads(p.read_text(encoding="utf-8"))
         pairs = [(str(a), str(b).upper()) for a, b in r["tensor_types"]]
-        str(r["architecture"])
+        known = {k: v for k, v in r.items() if k in Recipe.__dataclass_fields__ and k != "tensor_types"}
+        recipe = Recipe(**{**known, "architecture": str(r["architecture"]), "tensor_types": pairs, "file": str(p)})
     except FileNotFoundError:
         raise UsageError(f"{p}: no such recipe file") from None
     except (ValueError, KeyError, TypeError, OSError):
         raise QuantizeError(f"{p.name}: not an edgellm recipe (JSON with architecture and tensor_types)") from None
-    r["tensor_types"] = pairs
-    r["file"] = str(p)
-    return r
+    return recipe
 
 
-def check_recipe(recipe: dict[str, Any], model_path: Path, info: Any, label: str) -> None:
+def check_recipe(recipe: Recipe, model_path: Path, info: Any, label: str) -> None:
     """A recipe applies to a model of its architecture whose every matrix it names exists and fits the type."""
 
-    if recipe["architecture"] != info.architecture:
-        raise QuantizeError(f"the recipe {Path(recipe['file']).name} is for {recipe['architecture']} models; "
+    if recipe.architecture != info.architecture:
+        raise QuantizeError(f"the recipe {Path(recipe.file).name} is for {recipe.architecture} models; "
                             f"{label} is {info.architecture or 'unknown'}")
     _arch, widths = model_matmul_widths(model_path)
-    for pattern, tname in recipe["tensor_types"]:
+    for pattern, tname in recipe.tensor_types:
         if tname not in TYPES:
             raise QuantizeError(f"the recipe names an unknown type {tname}")
         name = _literal(pattern)
@@ -81,8 +115,8 @@ def _literal(pattern: str) -> Optional[str]:
     return name if re.escape(name) == pattern[1:-1] else None
 
 
-def tt_overrides(recipe_pairs: Sequence[tuple[str, str]]) -> list[list[Any]]:
-    return [[p, TYPES[t][0]] for p, t in recipe_pairs]
+def tt_overrides(recipe_pairs: Sequence[tuple[str, str]]) -> list[tuple[str, int]]:
+    return [(p, TYPES[t][0]) for p, t in recipe_pairs]
 
 
 def llama_quantize_text(recipe_pairs: Sequence[tuple[str, str]]) -> str:
@@ -90,14 +124,13 @@ def llama_quantize_text(recipe_pairs: Sequence[tuple[str, str]]) -> str:
     return "".join(f"{p}={t.lower()}\n" for p, t in recipe_pairs)
 
 
-def resolve_base(model: str | Path, store: Any) -> tuple[Any, Any]:
-    """The model and its GGUF info; refuses a quantized one (recipes and budgets start from F16/BF16/F32)."""
-    resolved = resolve(str(model), store=store)
-    info = read_gguf(resolved.path)
-    if is_quantized(info):
-        raise QuantizeError(f"--budget and --recipe start from an F16/BF16/F32 file; {resolved.label} is {info.level} "
-                            f"(`edgellm convert {resolved.label} --to f16` first)")
-    return resolved, info
+def resolve_base(model: str | Path | BaseInput, store: Store) -> BaseInput:
+    """The model, resolved and parsed once; refuses a quantized one (recipes and budgets start from F16/BF16/F32)."""
+    src = open_input(model, store)
+    if is_quantized(src.info):
+        raise QuantizeError(f"--budget and --recipe start from an F16/BF16/F32 file; {src.label} is {src.info.level} "
+                            f"(`edgellm convert {src.label} --to f16` first)")
+    return src
 
 
 def apply_recipe(
@@ -108,26 +141,25 @@ def apply_recipe(
     output: Optional[Path] = None,
     threads: Optional[int] = None,
     force: bool = False,
-    store: Any = None,
-    on_progress: Any = None,
-    cancel: Any = None,
-) -> tuple[Any, dict[str, Any]]:
+    store: Optional[Store] = None,
+    on_progress: ProgressCallback = no_progress,
+    cancel: Optional[CancelToken] = None,
+) -> tuple[QuantizeResult, Recipe]:
     """Quantize `model` with the recipe's per-tensor types. Returns (QuantizeResult, recipe)."""
 
     store = store or Store()
-    resolved, info = resolve_base(model, store)
+    src = resolve_base(model, store)
     recipe = load_recipe(recipe_file)
-    check_recipe(recipe, resolved.path, info, resolved.label)
+    check_recipe(recipe, src.path, src.info, src.label)
     label = "recipe-" + re.sub(r"[^a-z0-9._+-]", "-", Path(recipe_file).stem.lower())[:40]
-    lineage = {"file": recipe["file"], "made_for": recipe.get("model"), "tensors": len(recipe["tensor_types"])}
-    recipe["search_seconds"] = 0.0
-    choice = None
+    lineage = {"file": recipe.file, "made_for": recipe.model, "tensors": len(recipe.tensor_types)}
+    recipe.search_seconds = 0.0
+    choice: Optional[ImatrixChoice] = None
     if imatrix is not None:
         from quant.imatrix import choose_imatrix  # only with a matrix: it loads the calibration machinery
 
-        choice = choose_imatrix(imatrix, resolved, store=store, on_progress=on_progress, cancel=cancel)
-    res = quantize(resolved.record.name if resolved.record is not None else resolved.path, [FILE_TYPE],
-                   output=output, threads=threads, force=force, imatrix=choice,  # type: ignore[arg-type]
-                   tensor_types=tt_overrides(recipe["tensor_types"]), recipe=lineage, label=label, store=store,
+        choice = choose_imatrix(imatrix, src.resolved, store=store, on_progress=on_progress, cancel=cancel)
+    res = quantize(src, [FILE_TYPE], output=output, threads=threads, force=force, imatrix=choice,
+                   overrides=TensorOverrides(recipe.overrides(), lineage, label), store=store,
                    on_progress=on_progress, cancel=cancel)[0]
     return res, recipe

@@ -1,72 +1,81 @@
-"""How much each group of matrices' rounding error moves the logits, measured on the calibration text.
+"""How much a group of matrices in a given type moves the logits, measured on the calibration text.
 
 quant/budget.py's proxy (imatrix-weighted squared error of a matmul's
 output) compares matrices of one kind at one depth well, but not a kind
-with another, nor early layers with late ones: on SmolLM2-135M the KL
-divergence caused per unit of proxy error spans 100x (attn_v of the first
-ten layers 2.8e-3, attn_output of the last ten 2.4e-5, ffn_down's
-massive-activation layers less still). So the search calibrates one gain
-per group -- a matrix kind (attn_q, attn_k, attn_v, attn_output, ffn_gate,
-ffn_up, ffn_down, token_embd, output) times a third of the layers -- and
-ranks upgrades by error x gain.
+with another, nor early layers with late ones (per unit of proxy error the
+KL divergence spans 100x between kinds and depths), nor always one type
+family with another: a K-quant's error (a 256-block with 6-bit sub-scales)
+and a 32-block type's differ in structure the per-column proxy cannot see.
+So the search calibrates one gain per group -- a matrix kind (attn_q, attn_k,
+attn_v, attn_output, ffn_gate, ffn_up, ffn_down) times a third of the layers,
+plus token_embd and output -- *and per candidate type*: gain = KLD caused by
+that group's matrices in that type / their proxy error in that type. The
+search measures the types its allocation actually picks (quant/budget.py
+asks for them round by round), so every decision it makes rests on a
+measured KLD of the very K-, i- or 32-block type it chooses.
 
-A gain is measured, never guessed. llama.cpp quantizes the model twice,
-with the importance matrix as the output will be: every matrix in Q8_0
-(the base), and every matrix in a ~4.5-bit probe type (Q4_0 where allowed).
-A group's probe file is the base with that group's tensors taken from the
-second file (`assemble`: a byte copy, not another quantization); it runs
-over the first 128 tokens of the calibration text (the imatrix's text, never
-an evaluation text; 119 scored), and gain = KLD against the base / the
-group's proxy error in the probe type. KLDs of disjoint groups add up
-(all-Q4_0: 0.2376 measured, 0.2368 the sum of the groups), which is what
-lets a per-group gain rank single matrices.
+How a probe is measured, with nothing written to disk: the F16/F32 base is
+loaded once into ordinary memory (no mmap, no repacked buffers), and an eval
+callback notes where every weight lives. For a probe, each matrix of the
+group is quantized exactly as llama_model_quantize will do it
+(`ggml_quantize_chunk` with the tensor's importance entry), read back with
+ggml's `to_float`, and written over the loaded weights; the calibration
+tokens run through, the KLD against the base's own log-probs is taken, and
+the original weights are copied back from the file. The reference is the
+base itself, as `edgellm eval` measures. KLDs of disjoint groups add up
+(all-Q4_0 on the default model: 0.2376 measured, 0.2368 the sum of the
+groups'), which is what lets per-group gains rank single matrices.
 
-Cost: two llama_model_quantize calls, then per group (22 on a 30-layer
-model) a file copy, a model load and a 128-token pass: ~95 s for
-SmolLM2-135M on 2 loaded cores. The gains are cached under
-`<home>/sensitivity/`, keyed by the model's and the imatrix's sha256 and the
-candidate types, so a second --budget on the same model pays nothing.
-Probe files live in `<home>/sensitivity/probe-<pid>/`, removed when the
-search ends or is cancelled; a folder left by a killed search is removed by
-the next one.
+The text is the imatrix's calibration text (never an evaluation text): the
+first PROBE_CHUNKS x PROBE_CTX tokens, scored from the ninth token of each
+chunk. Results are cached under `<home>/sensitivity/`, one file per model,
+matrix and probe setup, keyed by sha256: a later --budget at another size
+measures only the (group, type) pairs it has not seen. A killed search
+leaves nothing (no probe files; the cache is written by rename).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
-import queue
 import re
-import shutil
-import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
 from edgellm import paths
-from edgellm.engine.runtime import default_threads
-from edgellm.errors import Cancelled, QuantizeError
+from edgellm.engine import backends, hardware
+from edgellm.engine.runtime import default_threads, silence_native_stderr
+from edgellm.errors import QuantizeError, RuntimeFailure
 from edgellm.fsutil import atomic_write_text
-from edgellm.gguf.layout import read_layout
-from edgellm.progress import Progress
-from quant._workers import Worker
+from edgellm.progress import CancelToken, Progress, ProgressCallback
+from quant._ggml import GGML_TYPE_F16, GGML_TYPE_F32, Tensor, ggml
 from quant.imatrix import calibration_text
 from quant.kld import BaseLogProbs, KLDAccumulator
-from quant.perplexity import ChunkPlan, LogitsRunner, score
+from quant.perplexity import ChunkPlan, LogitsRunner, _Batch, _quiet_llama, score
 
-VERSION = 1
-PROBE_CTX = 128
+VERSION = 2
+PROBE_CTX = 256
 PROBE_CHUNKS = 1
-PROBE_FIRST = 8  # scored from the 9th token on: 119 of the 128 evaluated, where llama-perplexity scores half
+PROBE_FIRST = 8  # scored from the 9th token: 247 of the 256 evaluated
 DEPTH_BUCKETS = 3
-BASE_TYPE = "Q8_0"
-# ~4.5-bit types first: a probe error large enough to measure, small enough to stay in the quadratic regime
-PROBE_ORDER = ("Q4_0", "IQ4_NL", "Q4_K", "IQ4_XS", "Q5_0", "Q5_K", "Q3_K", "Q5_1", "Q4_1", "Q6_K", "Q2_K", "Q8_0")
-_FTYPE_Q8_0 = 7  # LLAMA_FTYPE_MOSTLY_Q8_0: every matrix not overridden stays in the base type
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)")
+_ROWS_PER_STEP = 2048  # rows quantized at a time: bounds the float32 copies of a 49k-row embedding
+
+
+class TensorInfo(Protocol):
+    """What a probe needs of a tensor-table entry (edgellm.gguf.layout.read_tensors)."""
+
+    name: str
+    shape: list[int]
+    n_bytes: int
+    data_offset: int
 
 
 def group_of(name: str, n_layers: int) -> str:
@@ -77,207 +86,259 @@ def group_of(name: str, n_layers: int) -> str:
     return f"{m.group(2)}/{int(m.group(1)) * DEPTH_BUCKETS // max(1, n_layers)}"
 
 
-def probe_type(options: Sequence[tuple[str, int, float]]) -> str:
-    have = {o[0] for o in options}
-    return next((t for t in PROBE_ORDER if t in have), options[0][0])
+@dataclass
+class ProbeResult:
+    """One group in one type: the KLD it caused on the calibration tokens, and its proxy error."""
+
+    kld: float
+    kld_err: float
+    error: float
+    matrices: int
+    seconds: float
+
+    @property
+    def gain(self) -> float:
+        return self.kld / self.error if self.error > 0 else 0.0
+
+
+def cache_key(model_sha256: str, imatrix_sha256: str) -> dict[str, Any]:
+    return {"model": model_sha256, "imatrix": imatrix_sha256, "ctx": PROBE_CTX, "chunks": PROBE_CHUNKS,
+            "first": PROBE_FIRST, "buckets": DEPTH_BUCKETS, "version": VERSION}
 
 
 def _root() -> Path:
     return paths.home() / "sensitivity"
 
 
-def _clean_stale(root: Path) -> None:
-    for d in root.glob("probe-*"):
+def _cache_file(key: dict[str, Any]) -> Path:
+    return _root() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
+
+
+def load_results(key: dict[str, Any]) -> dict[tuple[str, str], ProbeResult]:
+    """The probes measured before for this model, matrix and setup ({(group, type): result})."""
+    try:
+        saved = json.loads(_cache_file(key).read_text(encoding="utf-8"))
+        if saved.get("key") != key:
+            return {}
+        return {(g, t): ProbeResult(**r) for g, per in saved["probes"].items() for t, r in per.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def save_results(key: dict[str, Any], results: dict[tuple[str, str], ProbeResult]) -> None:
+    probes: dict[str, dict[str, Any]] = {}
+    for (g, t), r in sorted(results.items()):
+        probes.setdefault(g, {})[t] = asdict(r)
+    text = calibration_text()
+    atomic_write_text(_cache_file(key), json.dumps({"key": key, "text": text.label, "text_sha256": text.sha256,
+                                                    "probes": probes}, indent=1) + "\n")
+
+
+class _ProbeModel(LogitsRunner):
+    """The base loaded into writable memory, with the address of every weight the graph reads.
+
+    LogitsRunner's chunk driver, over a model llama.cpp reads into its own CPU buffer (no mmap: the
+    weights must be writable; no extra buffer types: a repacked layout could not be written in
+    place), with an eval callback that records the weights the graph's nodes read."""
+
+    # long: llama.cpp's model and context set-up, as LogitsRunner does it, plus the weight map's callback
+    def __init__(self, path: Path, *, n_ctx: int, threads: int) -> None:
+        self.path = path
+        llama_cpp = _quiet_llama()
+        self._ll = llama_cpp
+        self.threads = threads
+        self.weights: dict[str, tuple[int, int, int]] = {}  # name -> (address, ggml type, elements)
+        self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._note)
+        backends.ensure(path, tester=hardware.self_test)
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        mp.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+        mp.use_extra_bufts = False
+        with silence_native_stderr():
+            self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise RuntimeFailure(f"llama.cpp could not load {path.name} for the sensitivity probes")
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_ctx, n_ctx, 1
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.no_perf = True
+        cp.cb_eval = self._callback
+        cp.cb_eval_user_data = None
+        with silence_native_stderr():
+            self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None
+            raise RuntimeFailure(f"llama.cpp could not create a context for the sensitivity probes of {path.name}")
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
+        self.n_ctx, self.n_seq, self.n_batch = n_ctx, 1, n_ctx
+        self._batch = _Batch(n_ctx)
+        self.eval_seconds = 0.0
+        self._g = ggml()
+
+    def _note(self, t_ptr: int, ask: bool, _ud: Optional[int]) -> bool:
+        """Asked about every node before it runs: note the weights it reads; never ask for its data."""
         try:
-            pid = int(d.name.split("-", 1)[1])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)  # its search was killed
-        except (ValueError, PermissionError):
+            if ask:
+                t = Tensor.from_address(t_ptr)
+                for s in t.src[:2]:
+                    if s:
+                        w = Tensor.from_address(s)
+                        name = w.name.decode("utf-8", "replace")
+                        if name.endswith(".weight") and not w.view_src and name not in self.weights:
+                            host = not w.buffer or self._g.lib.ggml_backend_buffer_is_host(w.buffer)
+                            if host and w.data:
+                                self.weights[name] = (int(w.data), int(w.type), int(w.ne[0] * w.ne[1] * w.ne[2] * w.ne[3]))
+        except Exception:  # noqa: BLE001 - nothing may cross into C; a weight not noted is reported later
             pass
+        return False
 
 
-def cache_key(model_sha256: str, imatrix_sha256: str, types: Sequence[str]) -> dict[str, Any]:
-    return {"model": model_sha256, "imatrix": imatrix_sha256, "types": sorted(types), "ctx": PROBE_CTX,
-            "chunks": PROBE_CHUNKS, "first": PROBE_FIRST, "buckets": DEPTH_BUCKETS, "base": BASE_TYPE, "version": VERSION}
+class Prober:
+    """Measures (group, type) probes on one loaded copy of the base; the model loads at the first probe,
+    so a search whose probes are all cached loads nothing."""
 
+    def __init__(self, model_path: Path, tensors: dict[str, TensorInfo], imatrix: dict[str, np.ndarray], *,
+                 threads: Optional[int], cancel: Optional[CancelToken]) -> None:
+        self.model_path, self.tensors, self.imatrix = model_path, tensors, imatrix
+        self.threads = threads or default_threads()  # as quantize and eval choose them
+        self.cancel = cancel
+        self.model: Optional[_ProbeModel] = None
+        self.raw = np.memmap(model_path, np.uint8, mode="r")
+        self.base: Optional[BaseLogProbs] = None
+        self.seconds = 0.0
+        self.probes = 0
+        self._pool = ThreadPoolExecutor(self.threads)  # ggml_quantize_chunk drops the GIL: rows split over threads
 
-def _table_start(raw: Any, parsed: Any) -> int:
-    """Where the tensor table begins: it ends within one alignment before the data, and starts with the
-    first tensor's length-prefixed name."""
-    size = sum(8 + len(t.name.encode()) + 4 + 8 * len(t.shape) + 4 + 8 for t in parsed.tensors)
-    first = parsed.tensors[0].name.encode()
-    want = struct.pack("<Q", len(first)) + first
-    for end in range(parsed.data_offset, parsed.data_offset - parsed.alignment, -1):
-        start = end - size
-        if start > 0 and bytes(raw[start:start + len(want)]) == want:
-            return start
-    raise QuantizeError("cannot find the tensor table of a sensitivity probe's base file")
+    def _start(self) -> _ProbeModel:
+        if self.model is not None:
+            return self.model
+        t0 = time.perf_counter()
+        self.model = _ProbeModel(self.model_path, n_ctx=PROBE_CTX, threads=self.threads)
+        self.plan = ChunkPlan(n_ctx=PROBE_CTX, n_chunk=PROBE_CHUNKS, n_batch=PROBE_CTX, n_seq=1, first=PROBE_FIRST)
+        self.tokens = self.model.tokenize(calibration_text().data)
+        if len(self.tokens) < PROBE_CTX * PROBE_CHUNKS:
+            raise QuantizeError(f"the calibration text is too short for the sensitivity probes ({len(self.tokens)} tokens)")
+        per = self.plan.n_scored_per_chunk
+        base = BaseLogProbs(self.plan.n_chunk * per, self.model.n_vocab)
+        score(self.model, self.tokens, self.plan, cancel=self.cancel,
+              on_chunk=lambda i, lg, tg, nll, sm: base.add_chunk(i * per, lg, tg, nll, sm, seed=i))
+        self.base = base
+        self.seconds += time.perf_counter() - t0
+        return self.model
 
+    def can_probe(self, names: Sequence[str]) -> bool:
+        m = self._start()
+        return all(n in m.weights and m.weights[n][1] in (GGML_TYPE_F16, GGML_TYPE_F32) for n in names)
 
-def assemble(base: Path, alt: Path, take: set[str], dst: Path, layouts: Optional[tuple[Any, Any]] = None) -> None:
-    """`base` with the tensors named in `take` replaced by `alt`'s (same model, other types): a probe file in
-    a file copy instead of a llama_model_quantize call. The metadata is `base`'s, byte for byte. `layouts`:
-    both files' read_layout, parsed once for all the probes (0.4 s each with a 49k-token vocabulary)."""
-    pb, pa = layouts or (read_layout(base), read_layout(alt))
-    alt_by_name = {t.name: t for t in pa.tensors}
-    parts = [(alt_by_name[t.name], alt) if t.name in take else (t, base) for t in pb.tensors]
-    align = pb.alignment
-    table, off = bytearray(), 0
-    for t, _src in parts:
-        off = -(-off // align) * align
-        name = t.name.encode()
-        table += struct.pack("<Q", len(name)) + name + struct.pack("<I", len(t.shape))
-        table += struct.pack(f"<{len(t.shape)}Q", *t.shape) + struct.pack("<IQ", t.type_id, off)
-        off += t.n_bytes
-    with open(base, "rb") as fb, open(alt, "rb") as fa, open(dst, "wb") as fh:
-        head = np.memmap(base, np.uint8, mode="r", shape=(pb.data_offset,))
-        fh.write(bytes(head[:_table_start(head, pb)]))
-        fh.write(table)
-        fh.write(b"\0" * (-fh.tell() % align))
-        data0 = fh.tell()
-        files = {base: fb, alt: fa}
-        for t, src in parts:
-            fh.write(b"\0" * (-(fh.tell() - data0) % align))
-            fh.flush()
-            _copy(files[src], fh, t.data_offset, t.n_bytes)
-
-
-def _copy(src: Any, dst: Any, offset: int, n: int) -> None:
-    """n bytes from src at offset to dst's end: in the kernel where it can (copy_file_range), else read/write."""
-    fast = getattr(os, "copy_file_range", None)
-    while n > 0 and fast is not None:
+    def measure(self, names: Sequence[str], type_id: int) -> tuple[float, float]:
+        """(mean KLD, its uncertainty) on the calibration tokens with the matrices `names` in `type_id`."""
+        m = self._start()
+        t0 = time.perf_counter()
         try:
-            done = fast(src.fileno(), dst.fileno(), n, offset)
-        except OSError:
-            break
-        if done <= 0:
-            break
-        offset, n = offset + done, n - done
-    if n > 0:
-        dst.seek(0, os.SEEK_END)
-        src.seek(offset)
-        while n > 0:
-            buf = src.read(min(n, 16 << 20))
-            if not buf:
-                raise QuantizeError("a sensitivity probe's source file is shorter than its tensor table says")
-            dst.write(buf)
-            n -= len(buf)
+            for n in names:
+                self._write(n, type_id)
+            acc = KLDAccumulator(self.base)  # type: ignore[arg-type]
+            per = self.plan.n_scored_per_chunk
+            score(m, self.tokens, self.plan, cancel=self.cancel,
+                  on_chunk=lambda i, lg, tg, nll, sm: acc.add_chunk(i * per, lg, nll, sm))
+            res = acc.result()
+        finally:
+            for n in names:
+                self._restore(n)
+        self.seconds += time.perf_counter() - t0
+        self.probes += 1
+        return float(res.kld_mean), float(res.kld_err)
 
+    def _target(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(the file's values of `name`, the loaded copy llama.cpp computes with), both rows x cols."""
+        t = self.tensors[name]
+        addr, tid, n = self.model.weights[name]  # type: ignore[union-attr]
+        dtype = np.float16 if tid == GGML_TYPE_F16 else np.float32
+        cols, rows = t.shape[0], n // t.shape[0]
+        if n != t.shape[0] * t.shape[1] or t.n_bytes != n * np.dtype(dtype).itemsize:
+            raise QuantizeError(f"the loaded {name} is not the file's tensor; cannot probe it")
+        live = np.ctypeslib.as_array((ctypes.c_uint8 * t.n_bytes).from_address(addr)).view(dtype).reshape(rows, cols)
+        src = np.frombuffer(self.raw[t.data_offset:t.data_offset + t.n_bytes], dtype).reshape(rows, cols)
+        return src, live
 
-class _Quantizer:
-    """One quantize worker (quant/_quantize_worker.py) for all the probes; killed on cancel."""
+    def _write(self, name: str, type_id: int) -> None:
+        src, live = self._target(name)
+        g, imp = ggml(), self.imatrix.get(name)
+        cols = src.shape[1]
 
-    def __init__(self, threads: int) -> None:
-        self.events: queue.Queue = queue.Queue()
-        self.worker = Worker(self.events, threads)
+        def step(r0: int) -> None:
+            rows = np.ascontiguousarray(src[r0:r0 + _ROWS_PER_STEP], np.float32)
+            q = g.quantize(type_id, rows, imp)
+            live[r0:r0 + len(rows)] = g.to_float(type_id, q, (len(rows), cols))
 
-    def run(self, src: Path, dst: Path, imatrix: Path, overrides: list[list[Any]], cancel: Any) -> None:
-        self.worker.submit({"input": str(src), "output": str(dst), "ftype": _FTYPE_Q8_0, "nthread": self.worker.threads,
-                            "allow_requantize": False, "imatrix": str(imatrix), "tt_overrides": overrides})
-        tail: list[str] = []
-        while True:
-            if cancel is not None and cancel.cancelled:
-                self.worker.kill()
-                raise Cancelled(cancel.reason)
-            try:
-                _w, raw = self.events.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if raw is None:
-                raise QuantizeError("the quantization worker died while measuring sensitivity: "
-                                    + " / ".join(tail[-3:] or list(self.worker.stderr_tail)[-3:]))
-            try:
-                msg = json.loads(raw)
-            except ValueError:
-                continue
-            if "log" in msg:
-                tail = (tail + [str(msg["log"]).strip()])[-5:]
-            elif "done" in msg:
-                if int(msg["done"]) != 0:
-                    raise QuantizeError("llama.cpp failed to quantize a sensitivity probe: " + " / ".join(tail[-3:]))
-                return
+        list(self._pool.map(step, range(0, src.shape[0], _ROWS_PER_STEP)))
+
+    def _restore(self, name: str) -> None:
+        src, live = self._target(name)
+        live[...] = src
 
     def close(self) -> None:
-        self.worker.close()
+        self._pool.shutdown(wait=True)
+        if self.model is not None:
+            self.model.close()
+            self.model = None
 
 
-# long: one loop over the probes, sharing the worker, the base log-probs and the temp folder it cleans up
-def measure_gains(model_path: Path, imatrix_path: Path, mats: Sequence[Any], types: Sequence[str], *, type_ids: dict[str, int],
-                  model_sha256: str, imatrix_sha256: str, n_layers: int, threads: Optional[int] = None, cancel: Any = None,
-                  on_progress: Any = None) -> tuple[dict[str, float], dict[str, Any]]:
-    """({group: KLD per unit of proxy error}, how they were obtained); from the cache when it has them."""
-    root = _root()
-    key = cache_key(model_sha256, imatrix_sha256, types)
-    cache = root / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".json")
-    try:
-        saved = json.loads(cache.read_text(encoding="utf-8"))
-        if saved.get("key") == key:
-            return {g: float(v) for g, v in saved["gains"].items()}, dict(saved["info"], cached=True)
-    except (OSError, ValueError, KeyError, AttributeError):
-        pass
-    t0 = time.perf_counter()
-    root.mkdir(parents=True, exist_ok=True)
-    _clean_stale(root)
-    work = root / f"probe-{os.getpid()}"
-    work.mkdir(exist_ok=True)
-    groups: dict[str, list[Any]] = {}
-    for m in mats:
-        groups.setdefault(group_of(m.name, n_layers), []).append(m)
-    threads = threads or default_threads()  # as quantize and eval choose them
-    text = calibration_text()
-    task = "measure group sensitivity on the calibration text"
-    probe_file = work / "probe.gguf"
-    results: dict[str, dict[str, Any]] = {}
-    q = _Quantizer(threads)
-    try:
-        def report(done: int, message: str) -> None:
-            if on_progress is not None:
-                on_progress(Progress(task, done, len(groups) + 1, "probe", message=message))
-
-        report(0, f"all {BASE_TYPE}")
-        base_file, alt_file = work / "base.gguf", work / "alt.gguf"
-        picks = {m.name: probe_type(m.options) for m in mats}
-        q.run(model_path, base_file, imatrix_path, [], cancel)
-        q.run(model_path, alt_file, imatrix_path, [[f"^{re.escape(n)}$", type_ids[t]] for n, t in picks.items()], cancel)
-        layouts = (read_layout(base_file), read_layout(alt_file))
-        plan = ChunkPlan(n_ctx=PROBE_CTX, n_chunk=PROBE_CHUNKS, n_batch=PROBE_CTX, n_seq=1, first=PROBE_FIRST)
-        per = plan.n_scored_per_chunk
-        with LogitsRunner(base_file, n_ctx=PROBE_CTX, n_seq=1, n_batch=PROBE_CTX, threads=threads) as r:
-            tokens = r.tokenize(text.data)
-            if len(tokens) < PROBE_CTX * PROBE_CHUNKS:
-                raise QuantizeError(f"the calibration text is too short for the sensitivity probes ({len(tokens)} tokens)")
-            base = BaseLogProbs(plan.n_chunk * per, r.n_vocab)
-            score(r, tokens, plan, on_chunk=lambda i, lg, tg, nll, sm: base.add_chunk(i * per, lg, tg, nll, sm, seed=i),
-                  cancel=cancel)
-        for i, (g, ms) in enumerate(groups.items()):
-            report(i + 1, g)
-            err = sum(next(o[2] for o in m.options if o[0] == picks[m.name]) for m in ms)
-            assemble(base_file, alt_file, {m.name for m in ms}, probe_file, layouts)
-            acc = KLDAccumulator(base)
-            with LogitsRunner(probe_file, n_ctx=PROBE_CTX, n_seq=1, n_batch=PROBE_CTX, threads=threads) as r:
-                score(r, tokens, plan, on_chunk=lambda i_, lg, tg, nll, sm, acc=acc: acc.add_chunk(i_ * per, lg, nll, sm),
-                      cancel=cancel)
-            res = acc.result()
-            results[g] = {"kld": res.kld_mean, "kld_err": res.kld_err, "error": err, "matrices": len(ms),
-                          "probe": sorted({picks[m.name] for m in ms})}
-        report(len(groups) + 1, "done")
-    finally:
-        q.close()
-        shutil.rmtree(work, ignore_errors=True)
-    gains = _gains(results)
-    info = {"groups": results, "seconds": round(time.perf_counter() - t0, 3), "tokens": PROBE_CHUNKS * PROBE_CTX,
-            "scored_tokens": plan.n_chunk * per, "text": text.label, "text_sha256": text.sha256}
-    atomic_write_text(cache, json.dumps({"key": key, "gains": gains, "info": info}, indent=1) + "\n")
-    return gains, dict(info, cached=False)
+def run_probes(prober: Prober, want: Sequence[tuple[str, str, list[str], float]], type_ids: dict[str, int],
+               results: dict[tuple[str, str], ProbeResult], *, on_progress: Optional[ProgressCallback] = None,
+               cancel: Optional[CancelToken] = None) -> None:
+    """Measure each (group, type, matrices, proxy error) of `want` into `results`."""
+    task = "measure sensitivity on the calibration text"
+    for i, (g, t, names, err) in enumerate(want):
+        if on_progress is not None:
+            on_progress(Progress(task, i, len(want), "probe", message=f"{g} {t}"))
+        if cancel is not None:
+            cancel.check()
+        t0 = time.perf_counter()
+        kld, kld_err = prober.measure(names, type_ids[t])
+        results[(g, t)] = ProbeResult(kld=kld, kld_err=kld_err, error=err, matrices=len(names),
+                                      seconds=round(time.perf_counter() - t0, 3))
+    if on_progress is not None and want:
+        on_progress(Progress(task, len(want), len(want), "probe", message="done"))
 
 
-def _gains(results: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """KLD / proxy error per group; a group whose KLD is lost in the noise keeps 1% of the median gain, so
-    one noisy probe cannot leave its matrices in the cheapest type for free."""
-    raw = {g: r["kld"] / r["error"] for g, r in results.items() if r["error"] > 0 and r["kld"] > 0}
-    if not raw:
-        return {g: 1.0 for g in results}
-    vals = sorted(raw.values())
-    floor = vals[len(vals) // 2] / 100
-    return {g: max(raw.get(g, floor), floor) for g in results}
+def gain_lookup(results: dict[tuple[str, str], ProbeResult], bpw: Callable[[str], float]) -> Callable[[str, str], float]:
+    """gain(group, type): measured where that pair was probed, else the group's probe nearest in bits per
+    weight; a group never probed gets the median gain, one lost in the noise 1% of it, so it is not free."""
+    per: dict[str, list[tuple[float, float]]] = {}
+    for (g, t), r in results.items():
+        if r.gain > 0:
+            per.setdefault(g, []).append((bpw(t), r.gain))
+    vals = sorted(v for lst in per.values() for _b, v in lst)
+    mid = vals[len(vals) // 2] if vals else 1.0
+    floor = mid / 100
+
+    def gain(group: str, type_name: str) -> float:
+        r = results.get((group, type_name))
+        if r is not None and r.gain > 0:
+            return max(r.gain, floor)
+        lst = per.get(group)
+        if not lst:
+            return floor if (group, type_name) in results else mid
+        b = bpw(type_name)
+        return max(min(lst, key=lambda bv: (abs(bv[0] - b), bv[0]))[1], floor)
+
+    return gain
+
+
+def clean_legacy(root: Optional[Path] = None) -> None:
+    """Probe folders of the file-based probes (edgellm before the in-memory ones) left by a killed search."""
+    import shutil
+
+    root = root or _root()
+    for d in root.glob("probe-*") if root.is_dir() else []:
+        try:
+            os.kill(int(d.name.split("-", 1)[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass

@@ -70,11 +70,10 @@ def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, imatrix
                                                imatrix=imatrix, output=output, threads=threads, force=force,
                                                on_progress=bar, cancel=token)
         if as_json:
-            emit_json([{**r.to_json(), "search_seconds": recipe.get("search_seconds", 0.0),
-                        "recipe_file": recipe.get("file")}])
+            emit_json([{**r.to_json(), "search_seconds": recipe.search_seconds, "recipe_file": recipe.file}])
             return
         click.echo(describe(r))
-        click.echo(f"  recipe: {recipe.get('file')} (search {recipe.get('search_seconds', 0.0):.1f} s, "
+        click.echo(f"  recipe: {recipe.file} (search {recipe.search_seconds:.1f} s, "
                    f"quantization {r.quantize_seconds:.1f} s)")
         return
     wanted = [part.strip() for text in levels for part in text.split(",") if part.strip()]
