@@ -21,6 +21,17 @@ calibration text), ctx 512, --chunks (>= 40):
 
     .venv/bin/python scripts/bench_imatrix.py --chunks 40 --threads 2 --json figures.json
     .venv/bin/python scripts/bench_imatrix.py --only-speed --threads 2 --runs 9    # part 5 alone, minutes
+    .venv/bin/python scripts/bench_imatrix.py --gridless 1 --gridless 4 --chunks 20 --json gridless.json
+
+6. --gridless F (repeatable; with it only this part runs): the default model
+   dithered (scripts/make_wide_model.py --factor F --dither: no quantization
+   grid, and at F = 4 rows of 2304/6144/768, so no K-quant falls back), then
+   on it: `llama-quantize --imatrix` at Q3_K_M, Q4_K_M, Q5_K_M and IQ4_XS
+   (the Q4_K_M run timed), `--budget` at each one's file size (no type
+   excluded): size, mean KLD and the ratio to llama-quantize's (goal <= 0.8),
+   search seconds against the timed Q4_K_M run (goal <= 10x), and the
+   search's extra disk (files under EDGELLM_HOME beyond the output, sampled
+   every 0.2 s) against one Q8_0 file (goal <= 1.5x).
 
 Needs llama.cpp's tools (scripts/build_llama_tools.sh, or $EDGELLM_LLAMA_TOOLS)
 and ../shared/data/wikitext-2-raw (or $EDGELLM_CORPUS_DIR). Long: an hour or
@@ -44,6 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 IMATRIX_LEVELS = ["q2_k", "q3_k_m", "iq4_xs", "q4_k_m"]
 BUDGET_LEVELS = ["q2_k", "q3_k_m", "q4_0", "q4_k_m"]
+GRIDLESS_LEVELS = ["q3_k_m", "q4_k_m", "q5_k_m", "iq4_xs"]
 
 
 def sh(args: list[str], env: dict, timeout: float = 7200, stderr: bool = False) -> str:
@@ -111,6 +123,73 @@ def recipe_speed(env: dict, base: str, f16_path: str, recipe: str, tools: Path, 
             "runs": args.runs, "edgellm_runs_s": mine_s, "llama_quantize_runs_s": ref_s}
 
 
+def _tree_bytes(root: Path) -> int:
+    n = 0
+    for p in root.rglob("*"):
+        try:
+            if p.is_file():
+                n += p.stat().st_size
+        except OSError:
+            pass
+    return n
+
+
+def gridless_figures(env: dict, q4_1_path: str, factor: int, tools: Path, work: Path, args) -> dict:
+    """Part 6 on the dithered base widened `factor` times (see the module docstring)."""
+    import threading
+
+    t = str(args.threads)
+    gl = work / f"gridless-x{factor}-f16.gguf"
+    sh([sys.executable, ROOT / "scripts" / "make_wide_model.py", q4_1_path, "--factor", str(factor), "--dither",
+        "-o", gl], env)
+    name = f"gl{factor}-f16"
+    edgellm(env, "import", str(gl), "--name", name, "--link")
+    im = edgellm(env, "imatrix", name, "--threads", t, "--json", "--no-progress")["file"]
+    fig: dict = {"factor": factor, "levels": {}}
+    refs = {}
+    for lv in GRIDLESS_LEVELS:
+        ref = work / f"gl{factor}-{lv}-imat.gguf"
+        t0 = time.perf_counter()
+        sh([tools / "llama-quantize", "--imatrix", im, gl, ref, lv.upper(), t], env)
+        fig["levels"][lv] = {"llama_quantize_s": time.perf_counter() - t0, "size_bytes": ref.stat().st_size}
+        refs[lv] = f"gl{factor}-{lv}-imat"
+        edgellm(env, "import", str(ref), "--name", refs[lv], "--link")
+    q8 = work / f"gl{factor}-q8_0.gguf"
+    sh([tools / "llama-quantize", gl, q8, "Q8_0", t], env)
+    fig["q8_0_bytes"] = q8.stat().st_size
+    q8.unlink()
+    home = Path(env["EDGELLM_HOME"])
+    for lv in GRIDLESS_LEVELS:
+        size = fig["levels"][lv]["size_bytes"]
+        before, peak, stop = _tree_bytes(home), [0], threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.2):
+                peak[0] = max(peak[0], _tree_bytes(home))
+
+        th = threading.Thread(target=sample, daemon=True)
+        th.start()
+        r = edgellm(env, "quantize", name, "--budget", str(size), "--imatrix", im, "--threads", t, "--json",
+                    "--no-progress", "--force")[0]
+        stop.set()
+        th.join()
+        extra = max(0, peak[0] - before - r["size_bytes"])
+        fig["levels"][lv].update(budget_name=r["name"], budget_size_bytes=r["size_bytes"],
+                                 search_seconds=r["search_seconds"], quantize_seconds=r["quantize_seconds"],
+                                 extra_disk_bytes=extra, tensor_types=r["tensor_types"])
+        k = kld(env, name, [r["name"], refs[lv]], args)
+        row = fig["levels"][lv]
+        row.update(budget_kld=k[r["name"]]["kld_mean"], imatrix_kld=k[refs[lv]]["kld_mean"])
+        row["ratio"] = row["budget_kld"] / row["imatrix_kld"]
+        row["search_vs_q4_k_m_quantize"] = row["search_seconds"] / fig["levels"]["q4_k_m"]["llama_quantize_s"]
+        row["extra_disk_vs_q8_0"] = extra / fig["q8_0_bytes"]
+        print(f"x{factor} {lv}: budget {r['size_bytes']} B KLD {row['budget_kld']:.5f} vs imatrix {size} B "
+              f"{row['imatrix_kld']:.5f} ({row['ratio']:.3f}x); search {row['search_seconds']:.0f} s "
+              f"({row['search_vs_q4_k_m_quantize']:.1f}x llama-quantize Q4_K_M); extra disk "
+              f"{row['extra_disk_vs_q8_0']:.3f}x Q8_0", flush=True)
+    return fig
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=40, help="WikiText-2 chunks of 512 for KLD (>= 40)")
@@ -118,6 +197,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--runs", type=int, default=3, help="timed runs for the --recipe speed ratio")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here too")
+    ap.add_argument("--gridless", type=int, action="append", default=[], metavar="F",
+                    help="only part 6, on the dithered default model widened F times (repeatable: --gridless 1 --gridless 4)")
     ap.add_argument("--only-speed", action="store_true",
                     help="only part 5 (its recipe from one --budget search at Q4_K_M's size): minutes, not an hour")
     args = ap.parse_args()
@@ -127,9 +208,16 @@ def main() -> int:
     fig: dict = {"chunks": args.chunks, "threads": args.threads, "ctx": 512}
     t = str(args.threads)
 
-    edgellm(env, "pull", "smollm2-135m-instruct", "--json", "--no-progress")
+    pulled = edgellm(env, "pull", "smollm2-135m-instruct", "--json", "--no-progress")
     f16 = edgellm(env, "convert", "smollm2-135m-instruct", "--to", "f16", "--json", "--no-progress")
     base, f16_path = f16["name"], f16["path"]
+    if args.gridless:
+        q4_1 = pulled["path"]  # the Q4_1 file: make_wide_model.py reads each block's step from it
+        fig["gridless"] = {f"x{f}": gridless_figures(env, q4_1, f, tools, work, args) for f in args.gridless}
+        print(json.dumps(fig, indent=1, default=str))
+        if args.json:
+            args.json.write_text(json.dumps(fig, indent=1, default=str))
+        return 0
     if args.only_speed:
         size = edgellm(env, "quantize", base, "-l", "q4_k_m", "--threads", t, "--json", "--no-progress")[0]["size_bytes"]
         r = edgellm(env, "quantize", base, "--budget", str(size), "--exclude-types", "q4_1,q5_1", "--threads", t, "--json",
@@ -184,6 +272,8 @@ def main() -> int:
             budgets[(lv, excl)] = {"name": r["name"], "size_bytes": r["size_bytes"], "search_seconds": r["search_seconds"],
                                    "quantize_seconds": r["quantize_seconds"], "recipe_file": r["recipe_file"],
                                    "kld": kld(env, base, [r["name"]], args)[r["name"]]["kld_mean"]}
+            print(f"grid base {lv} {excl or 'all types'}: {r['size_bytes']} B KLD {budgets[(lv, excl)]['kld']:.5f}",
+                  flush=True)
     names = [stock[lv]["name"] for lv in levels] + [withm[lv]["name"] for lv in levels]
     k = kld(env, base, names, args)
     fig["kld"] = {lv: {"stock": k[stock[lv]["name"]]["kld_mean"], "imatrix": k[withm[lv]["name"]]["kld_mean"],

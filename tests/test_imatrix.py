@@ -354,85 +354,71 @@ def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(cli, f16_mo
 
 
 def _check_measured_gains(recipe: dict, f16_path: Path, imatrix: Path) -> None:
-    """The recipe's group gains were measured on the shipped calibration text, differ as measured, and are cached."""
-    from quant import sensitivity
-    from quant.budget import TYPES
+    """The recipe's gains were measured on the shipped calibration text, per group and type, and differ as
+    measured; every type the recipe uses was measured in its tensor's group."""
     from quant.imatrix import calibration_text
+    from quant.sensitivity import group_of
 
-    cal, gains = recipe["calibration"], recipe["group_gains"]
-    assert cal["cached"] is False and 0 < cal["seconds"] < recipe["search_seconds"]
+    cal = recipe["calibration"]
+    assert cal["probes_measured"] > 0 and cal["probes_cached"] == 0 and 0 < cal["seconds"] < recipe["search_seconds"]
     assert cal["text_sha256"] == calibration_text().sha256  # the imatrix's text, never an evaluation text
     # 7 kinds x 3 thirds of the 30 layers, and the tied embedding/output matrix
-    assert len(gains) == 22 and set(cal["groups"]) == set(gains)
-    assert all(g["kld"] > 0 and g["error"] > 0 for g in cal["groups"].values())
+    assert len(cal["groups"]) == 22
+    probed = [r for per in cal["groups"].values() for r in per.values()]
+    assert probed and all(r["kld"] > 0 and r["error"] > 0 for r in probed)
+    for pattern, t in recipe["tensor_types"]:
+        name = pattern[1:-1].replace("\\.", ".")
+        assert t in cal["groups"][group_of(name, 30)], (name, t)
     # per unit of proxy error, the first layers' attn_v moves the logits >10x more than the last layers' attn_output
-    # (measured 3.1e-3 vs 2.2e-5 with the full matrix): the proxy alone cannot rank the two
-    assert gains["attn_v/0"] > 10 * gains["attn_output/2"]
-    types = [t for t in TYPES if t not in recipe["excluded_types"]]
-    t0 = time.perf_counter()
-    again, info = sensitivity.measure_gains(f16_path, imatrix, [], types, type_ids={}, model_sha256=_sha(f16_path),
-                                            imatrix_sha256=_sha(imatrix), n_layers=30)
-    assert info["cached"] is True and time.perf_counter() - t0 < 1.0
-    assert {g: float(f"{v:.6g}") for g, v in again.items()} == gains
-    assert not list(sensitivity._root().glob("probe-*"))  # the probe files went with the search
+    gv = max(r["gain"] for r in cal["groups"]["attn_v/0"].values())
+    go = max(r["gain"] for r in cal["groups"]["attn_output/2"].values())
+    assert gv > 10 * go
 
 
-def test_sensitivity_probes_report_progress_cancel_cleanly_and_clear_a_killed_searchs_folder(f16_path, session_imatrix,
-                                                                                            edgellm_home):
+def test_in_memory_probe_writes_llama_cpps_rounding_and_restores_the_weights(f16_path, session_imatrix, edgellm_home):
+    """A probe rounds a group as llama_model_quantize would, computes with it, and puts the F16 back."""
     from edgellm.errors import Cancelled
+    from edgellm.gguf.layout import read_tensors
     from edgellm.progress import CancelToken
     from quant import sensitivity
-    from quant.budget import Matrix
+    from quant._ggml import ggml
+    from quant.imatrix_file import read_imatrix
+    from quant.recipe import TYPES
 
-    stale = sensitivity._root() / "probe-999999999"  # above pid_max: its search was killed
-    stale.mkdir(parents=True)
-    (stale / "base.gguf").write_bytes(b"left by kill -9")
-    token, seen = CancelToken(), []
+    entries = {n: e.normalized().astype(np.float32) for n, e in read_imatrix(session_imatrix).entries.items()}
+    tensors = {t.name: t for t in read_tensors(f16_path).tensors}
+    names = [f"blk.{i}.attn_v.weight" for i in range(10)]
+    q4, q8 = TYPES["Q4_0"][0], TYPES["Q8_0"][0]
+    p = sensitivity.Prober(f16_path, tensors, entries, threads=2, cancel=None)
+    try:
+        assert p.can_probe(names) and p.can_probe(["token_embd.weight"])
+        p._write(names[0], q4)
+        src, live = p._target(names[0])
+        g = ggml()
+        rows = np.ascontiguousarray(src, np.float32)
+        want = g.to_float(q4, g.quantize(q4, rows, entries[names[0]]), rows.shape).astype(np.float16)
+        assert np.array_equal(live, want) and not np.array_equal(live, src)
+        p._restore(names[0])
+        assert np.array_equal(live, src)
+        a, b, c = p.measure(names, q4), p.measure(names, q4), p.measure(names, q8)
+        assert a == b  # deterministic: the weights were restored in between
+        assert 0 < c[0] < a[0] / 5  # Q8_0's rounding moves the logits far less than Q4_0's
+        assert all(np.array_equal(*p._target(n)) for n in names)
+        # a cancel between probes: Cancelled, nothing measured after it
+        token, results = CancelToken(), {}
 
-    def on_progress(p) -> None:
-        seen.append((p.task, p.done, p.total, p.message))
-        if p.done == 1:
-            token.cancel()
+        def on_progress(pr) -> None:
+            if pr.done == 1:
+                token.cancel()
 
-    # two real matrices with made-up proxy errors: the probes only need names the file has
-    mats = [Matrix(f"blk.{i}.attn_v.weight", 192, 576, [("Q4_0", 62208, 1.0), ("Q8_0", 117504, 0.1)]) for i in (0, 29)]
-    with pytest.raises(Cancelled):
-        sensitivity.measure_gains(f16_path, session_imatrix, mats, ["Q4_0", "Q8_0"], type_ids={"Q4_0": 2, "Q8_0": 8},
-                                  model_sha256="m", imatrix_sha256="i",
-                                  n_layers=30, threads=2, cancel=token, on_progress=on_progress)
-    assert [s[1:] for s in seen] == [(0, 3, "all Q8_0"), (1, 3, "attn_v/0")]
-    assert "calibration text" in seen[0][0]
-    assert not list(sensitivity._root().iterdir())  # no probe folder (neither its own nor the stale one), no cache
-
-
-def test_probe_file_is_the_base_with_the_groups_tensors_swapped(tmp_path):
-    """sensitivity.assemble: a probe file as llama.cpp would write it, from two quantized files."""
-    from support.gguf_files import write_tiny_llama
-
-    from edgellm.gguf.layout import read_layout
-    from quant.sensitivity import assemble
-
-    base = write_tiny_llama(tmp_path / "base.gguf")
-    alt = write_tiny_llama(tmp_path / "alt.gguf", dtype="f32", seed=1)  # other types, other sizes, other values
-    same = tmp_path / "same.gguf"
-    assemble(base, alt, set(), same)
-    assert same.read_bytes() == base.read_bytes()
-    lb, la = read_layout(base), read_layout(alt)
-    take = {t.name for t in lb.tensors if t.name.startswith("blk.1.") and t.type_name == "F16"}  # F32 in alt
-    assert take
-    probe = tmp_path / "probe.gguf"
-    assemble(base, alt, take, probe)
-    lp = read_layout(probe)
-    assert lp.fields == lb.fields and [t.name for t in lp.tensors] == [t.name for t in lb.tensors]
-    raw = {p: p.read_bytes() for p in (base, alt, probe)}
-    src = {t.name: (alt, t) for t in la.tensors if t.name in take} | {t.name: (base, t) for t in lb.tensors if t.name not in take}
-    for t in lp.tensors:
-        f, s = src[t.name]
-        assert (t.type_id, t.shape) == (s.type_id, s.shape)
-        assert raw[probe][t.data_offset:t.data_offset + t.n_bytes] == raw[f][s.data_offset:s.data_offset + s.n_bytes]
-    from edgellm.gguf.reader import read_gguf
-
-    assert read_gguf(probe).tensor_count == len(lb.tensors)  # the validator accepts it
+        todo = [("attn_v/0", "Q4_0", names, 1.0), ("attn_v/0", "Q8_0", names, 0.1), ("attn_k/0", "Q4_0", names, 1.0)]
+        with pytest.raises(Cancelled):
+            sensitivity.run_probes(p, todo, {"Q4_0": q4, "Q8_0": q8}, results, on_progress=on_progress, cancel=token)
+        assert list(results) == [("attn_v/0", "Q4_0")]
+    finally:
+        p.close()
+    # nothing on disk: no probe files at all, and the cache is written only by a finished search
+    assert not (edgellm_home / "sensitivity").exists() or not list((edgellm_home / "sensitivity").iterdir())
 
 
 def test_recipe_for_another_architecture_or_layout_is_refused(cli, f16_model, edgellm_home, tmp_path):

@@ -235,9 +235,24 @@ def test_read_only_output_folder(cli, f16_model, edgellm_home, tmp_path):
         undo()
 
 
-def test_full_disk_preflight(cli, f16_model, edgellm_home, monkeypatch):
-    monkeypatch.setenv("EDGELLM_FAKE_FREE_BYTES", str(50 << 20))
-    assert_refused(cli, edgellm_home, "quantize", F16_NAME, "--level", "q4_0", "--level", "q8_0", says="not enough disk")
+def test_full_disk_preflight_names_the_model_and_the_levels(cli, f16_model, edgellm_home, monkeypatch):
+    from edgellm.fsutil import DISK_MARGIN, human_size
+    from edgellm.gguf.reader import read_gguf
+    from edgellm.models.store import Store
+    from quant.levels import estimate_size, parse_level
+
+    free = 50 << 20
+    monkeypatch.setenv("EDGELLM_FAKE_FREE_BYTES", str(free))
+    info = read_gguf(f16_model.path)
+    # each level has its own folder; the first one checked is q4_0's, with its own estimate
+    need = estimate_size(info, parse_level("q4_0")) + DISK_MARGIN
+    folder = Store().models_dir / "smollm2-135m-instruct-q4_0"
+    res = assert_refused(cli, edgellm_home, "quantize", F16_NAME, "--level", "q4_0", "--level", "q8_0",
+                         says="not enough disk")
+    # the whole line: the model by its store name and both levels (a reused name once made it "None")
+    want = (f"error: not enough disk for quantizing {F16_NAME} to q4_0, q8_0: need {human_size(need)} "
+            f"(incl. {human_size(DISK_MARGIN)} margin) in {folder}, {human_size(free)} free")
+    assert res.stderr.strip() == want
 
 
 def test_real_file_size_limit(f16_model, edgellm_home):

@@ -1,0 +1,79 @@
+"""`quantize --budget` as a typed job, and where it must win: on a base with no quantization grid.
+
+The default model's F16 is dequantized from Q4_1, which flatters any search that can land on that
+grid; scripts/make_wide_model.py --dither removes the grid (docs/quantize.md, "Figures"). The test
+here builds that gridless 135M base, and fails if a --budget file at the size of llama-quantize
+--imatrix Q4_K_M is not better than it, by mean KLD on WikiText-2 (a text neither the matrix nor
+the search saw).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.quant_fixtures import F16_NAME, f16_model, f16_session  # noqa: F401 (fixtures)
+
+ROOT = Path(__file__).resolve().parents[1]
+EVAL_CHUNKS = 4
+
+
+def test_budget_parses_its_input_once(f16_model, edgellm_home, monkeypatch):
+    """One read_gguf of the input for the whole --budget job (resolve, budget, search, quantize)."""
+    import edgellm.gguf.reader as reader
+    import quant._common
+    import quant.quantize
+    from quant.budget import quantize_to_budget
+
+    real, seen = reader.read_gguf, []
+
+    def counting(path, *a, **kw):
+        seen.append(Path(path).resolve())
+        return real(path, *a, **kw)
+
+    for mod in (reader, quant._common, quant.quantize):
+        monkeypatch.setattr(mod, "read_gguf", counting)
+    res, recipe = quantize_to_budget(F16_NAME, budget="92MB", exclude=["q4_1"], threads=2)
+    inp = Path(f16_model.path).resolve()
+    assert seen.count(inp) == 1, seen
+    assert [p for p in seen if p != inp] == [res.path.resolve()]  # the other one validates the output
+    assert res.size_bytes <= 92_000_000 and recipe.predicted_bytes >= res.size_bytes
+    assert json.loads(Path(recipe.file).read_text())["tensor_types"] == [list(p) for p in recipe.tensor_types]
+
+
+def _edgellm(home: Path, *args: str) -> object:
+    import os
+
+    env = dict(os.environ, EDGELLM_HOME=str(home))
+    proc = subprocess.run([sys.executable, "-m", "edgellm.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout) if "--json" in args else proc.stdout
+
+
+@pytest.mark.slow
+def test_budget_beats_imatrix_q4_k_m_on_the_gridless_base(default_gguf, llama_tools, wikitext, tmp_path):
+    """--budget at the size of llama-quantize --imatrix Q4_K_M: a lower mean KLD, on a base with no grid."""
+    home = tmp_path / "home"
+    gridless = tmp_path / "gridless-135m-f16.gguf"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_wide_model.py"), str(default_gguf), "--factor",
+                           "1", "--dither", "-o", str(gridless)], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _edgellm(home, "import", str(gridless), "--name", "gl-f16", "--link")
+    im = _edgellm(home, "imatrix", "gl-f16", "--threads", "2", "--json", "--no-progress")["file"]  # the shipped text
+    ref = tmp_path / "ref-q4_k_m.gguf"
+    proc = subprocess.run([str(llama_tools / "llama-quantize"), "--imatrix", im, str(gridless), str(ref), "Q4_K_M", "2"],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _edgellm(home, "import", str(ref), "--name", "gl-q4_k_m-imat")
+    size = ref.stat().st_size
+    out = _edgellm(home, "quantize", "gl-f16", "--budget", str(size), "--imatrix", im, "--threads", "2", "--json",
+                   "--no-progress")[0]
+    assert out["size_bytes"] <= size
+    rep = _edgellm(home, "eval", "gl-f16", "--levels", f"gl-q4_k_m-imat,{out['name']}", "--text", str(wikitext),
+                   "--ctx", "512", "--chunks", str(EVAL_CHUNKS), "--threads", "2", "--json", "--no-progress")
+    kld = {lv["name"]: lv["kld_mean"] for lv in rep["levels"]}
+    assert kld[out["name"]] < kld["gl-q4_k_m-imat"], kld
