@@ -72,6 +72,14 @@ def test_chat_whole_and_streamed(client):
     assert parts[-1].eval_count == r.eval_count
 
 
+
+def test_a_num_ctx_beyond_the_slot_is_said(server):
+    body = {"model": TAGGED, "messages": [{"role": "user", "content": "Hi"}], "stream": False,
+            "options": {"num_predict": 2, "num_ctx": 32768}}
+    status, reply = _post(server, "/api/chat", json.dumps(body).encode())
+    assert status == 200 and "num_ctx 32768" in reply["warnings"][0], reply  # not applied, and said so
+
+
 def test_generate_and_format_schema(client):
     g = client.generate(model=TAGGED, prompt="What is the capital of France?", options={"temperature": 0, "num_predict": 16})
     assert g.done and g.response.strip() and g.eval_count <= 16  # through the chat template, as Ollama does

@@ -136,6 +136,7 @@ def routes(ctx: ServeContext) -> list[Any]:
         plan = run.start.get("plan")
         hold = plan is not None and bool(plan.request.offered())
         name = body.get("model")
+        notes = _num_ctx_note(ctx, spec, body)
 
         def piece(text: str) -> dict[str, Any]:
             part: Any = {"role": "assistant", "content": text} if key == "message" else text
@@ -150,8 +151,9 @@ def routes(ctx: ServeContext) -> list[Any]:
                 done[key]["content"] = parsed.content or ""
                 if parsed.calls:
                     done[key]["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in parsed.calls]
-                if plan.warnings or parsed.warnings:
-                    done["warnings"] = plan.warnings + parsed.warnings
+                notes.extend(plan.warnings + parsed.warnings)
+            if notes:
+                done["warnings"] = notes
             done.update(done=True, done_reason=reason, **_durations(run, stats))
             return done
 
@@ -263,6 +265,16 @@ def routes(ctx: ServeContext) -> list[Any]:
             Route("/api/ps", ollama_errors(ps), methods=["GET"]),
             Route("/api/show", ollama_errors(show), methods=["POST"]),
             Route("/api/version", ollama_errors(version), methods=["GET"])]
+
+
+def _num_ctx_note(ctx: ServeContext, spec: ModelSpec, body: dict[str, Any]) -> list[str]:
+    """A warning for an `options.num_ctx` above what a request gets here (slots are sized at load, not per request)."""
+    n = (body.get("options") or {}).get("num_ctx")
+    limit = ctx.pool.model_ctx(spec) // ctx.pool.parallel
+    if isinstance(n, int) and not isinstance(n, bool) and n > limit:
+        return [f"options.num_ctx {n} is more than a request gets on this server ({limit} tokens: --ctx / --parallel); "
+                f"it runs with {limit}"]
+    return []
 
 
 def _params(n: int) -> str:
