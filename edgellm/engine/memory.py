@@ -64,9 +64,9 @@ REPACKED_TYPES = {
 def repacked_types(features: Optional[Sequence[str]] = None) -> frozenset[str]:
     """The tensor types this CPU's llama.cpp build copies into a repacked layout at load."""
     if features is None:
-        from edgellm.engine.hardware import cpu_features  # reads /proc/cpuinfo; only when a GGUF is estimated
+        from edgellm.engine import cpu_features  # reads /proc/cpuinfo: only when a GGUF is estimated
 
-        features = cpu_features()
+        features = cpu_features.present(cpu_features.host_flags())
     return frozenset(t for f in features for t in REPACKED_TYPES.get(f, ()))
 
 
