@@ -15,32 +15,38 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.quant_fixtures import F16_NAME, f16_model, f16_session  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_CHUNKS = 4
 
 
-def test_budget_parses_its_input_once(f16_model, edgellm_home, monkeypatch):
-    """One read_gguf of the input for the whole --budget job (resolve, budget, search, quantize)."""
+def test_budget_parses_its_input_once(tiny_f32, edgellm_home, monkeypatch):
+    """One read_gguf of the input for the whole --budget job (resolve, budget, matrix, search, quantize), on a
+    real (tiny, 256-wide) llama: every step runs, the probes included, in seconds."""
     import edgellm.gguf.reader as reader
     import quant._common
+    import quant.imatrix
+    import quant.perplexity
     import quant.quantize
     from quant.budget import quantize_to_budget
+    from quant.imatrix import compute_imatrix
 
+    matrix = compute_imatrix(tiny_f32, chunks=2, threads=2).path  # its own job, before the count starts
     real, seen = reader.read_gguf, []
 
     def counting(path, *a, **kw):
         seen.append(Path(path).resolve())
         return real(path, *a, **kw)
 
-    for mod in (reader, quant._common, quant.quantize):
+    for mod in (reader, quant._common, quant.quantize, quant.imatrix, quant.perplexity):
         monkeypatch.setattr(mod, "read_gguf", counting)
-    res, recipe = quantize_to_budget(F16_NAME, budget="92MB", exclude=["q4_1"], threads=2)
-    inp = Path(f16_model.path).resolve()
+    res, recipe = quantize_to_budget(tiny_f32, budget="5bpw", imatrix=str(matrix), threads=2)
+    inp = Path(tiny_f32).resolve()
     assert seen.count(inp) == 1, seen
-    assert [p for p in seen if p != inp] == [res.path.resolve()]  # the other one validates the output
-    assert res.size_bytes <= 92_000_000 and recipe.predicted_bytes >= res.size_bytes
+    others = [p for p in seen if p != inp]  # the one other parse validates the output before its rename
+    assert len(others) == 1 and others[0].name.startswith(res.path.name + ".") and others[0].suffix == ".partial"
+    assert res.size_bytes <= recipe.budget["bytes"] and recipe.predicted_bytes >= res.size_bytes
+    assert recipe.calibration["probes_measured"] > 0
     assert json.loads(Path(recipe.file).read_text())["tensor_types"] == [list(p) for p in recipe.tensor_types]
 
 
