@@ -261,6 +261,7 @@ def calibrated_choice(model_path: Path, tensors: Sequence[sensitivity.TensorInfo
     """The allocation with each matrix's error scaled by its group's measured KLD per unit of error in the
     type at hand (quant/sensitivity.py); probes are measured as the allocation asks for them."""
     t0 = time.perf_counter()
+    sensitivity.clean_legacy()  # probe folders an older, file-based search left when it was killed
     key = sensitivity.cache_key(model_sha256, imatrix_sha256)
     results = sensitivity.load_results(key)
     cached = len(results)
