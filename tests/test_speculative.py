@@ -330,3 +330,34 @@ def test_batched_sequences_speculate_inside_the_batch_losslessly(default_gguf):
         assert eng.drafts.drafted == sum(st.draft_tokens for _, st in spec) and eng.drafts.steps > 0
     finally:
         r.close()
+
+
+def test_serve_draft_default_per_request_field_and_llamacpp_counters(tmp_path, default_gguf):
+    import json
+    import os
+    import urllib.request
+
+    from support.helpers import DEFAULT_NAME, register_default
+    from support.serve_proc import start_serve, stop_process
+
+    home = tmp_path / "serve-home"
+    register_default(default_gguf, home)
+    proc, url = start_serve(DEFAULT_NAME, "--draft", "ngram", "--parallel", "2", "--ctx", "2048", "--threads", "1",
+                            env=dict(os.environ, EDGELLM_HOME=str(home)))
+    try:
+        def ask(**extra):
+            body = json.dumps({"model": DEFAULT_NAME, "messages": [{"role": "user", "content": IDENTITY_PROMPTS[1]}],
+                               "max_tokens": 64, "temperature": 0, **extra}).encode()
+            req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return json.load(r)["choices"][0]["message"]["content"]
+
+        assert ask() == ask(draft="off")  # the server default drafts; the field turns it off; same reply
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        vals = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("llamacpp:")}
+        drafted, accepted = vals["llamacpp:spec_decode_num_draft_tokens_total"], vals["llamacpp:spec_decode_num_accepted_tokens_total"]
+        assert 0 <= accepted <= drafted and "llamacpp:spec_decode_num_drafts_total" in vals
+        assert sum(v for k, v in vals.items() if "per_pos" in k) == accepted  # per position adds up, as llama-server's does
+    finally:
+        stop_process(proc, timeout=20)

@@ -19,8 +19,10 @@ from edgellm.serve.app import ServerConfig, bind_warning, describe, serve
 @click.option("--parallel", default=None, type=click.IntRange(1, 64), help="Requests decoded together per model (continuous batching) [default: physical cores, 4 to 8].")
 @click.option("--threads", "n_threads", default=None, type=click.IntRange(1, 1024), help="CPU threads per model [default: physical cores].")
 @click.option("--access-log", is_flag=True, help="Log every request on stderr.")
+@click.option("--draft", type=click.Choice(["off", "ngram"]), default="off", show_default=True,
+              help="Speculative decoding for requests without a \"draft\" field (n-gram drafts; lossless, drafts only where it pays).")
 @rpc_options
-def serve_cmd(model, host, port, api_key, max_loaded, queue_size, n_ctx, parallel, n_threads, access_log, rpc=None, rpc_split=None) -> None:
+def serve_cmd(model, host, port, api_key, max_loaded, queue_size, n_ctx, parallel, n_threads, access_log, draft="off", rpc=None, rpc_split=None) -> None:
     """Serve the store over an OpenAI-compatible API.
 
     \b
@@ -50,7 +52,8 @@ def serve_cmd(model, host, port, api_key, max_loaded, queue_size, n_ctx, paralle
         parse_endpoints(rpc)
 
     cfg = ServerConfig(default_model=model, host=host, port=port, api_key=api_key or None, max_loaded=max_loaded,
-                       queue_size=queue_size, n_ctx=n_ctx, n_threads=n_threads, access_log=access_log, rpc=rpc, rpc_split=rpc_split, parallel=parallel)
+                       queue_size=queue_size, n_ctx=n_ctx, n_threads=n_threads, access_log=access_log, rpc=rpc, rpc_split=rpc_split, parallel=parallel,
+                       draft=draft)
     warning = bind_warning(host, cfg.api_key)
     if warning:
         click.echo(f"warning: {warning}", err=True)

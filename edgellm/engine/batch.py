@@ -150,7 +150,7 @@ class BatchEngine:
         seq.slot, seq.n_done = dst, keep
         seq.sampler = Sampler(self.vocab, seq.sampling, default_seed=self.default_seed)
         seq.text = TextStream(self.vocab, seq.sampling.stop)
-        mode = (seq.sampling.draft or "off").lower()
+        mode = (seq.sampling.draft or self.rt.options.draft or "off").lower()
         if mode != "off":  # one context holds every sequence: drafts come from n-grams (a draft model is chat's)
             d = NgramDrafter()
             d.reset(prompt)

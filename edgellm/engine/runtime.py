@@ -57,6 +57,7 @@ class RuntimeOptions:
     logits_all: bool = False
     verbose: bool = False
     force: bool = False  # load even when weights + KV exceed available RAM
+    draft: str = "off"  # speculative decoding for requests that do not choose (SamplingParams.draft ""): serve --draft
     # llama.cpp RPC workers (edgellm.engine.rpc): HOST:PORT[,...], and --split shares (this machine first)
     rpc: Optional[str] = None
     rpc_split: Optional[str] = None
@@ -420,7 +421,7 @@ class Runtime:
         self.draft_runtime = draft
 
     def _speculator(self, s: SamplingParams, prompt: list[int]) -> Any:
-        mode = (s.draft or "off").lower()
+        mode = (s.draft or self.options.draft or "off").lower()
         if mode == "off":
             return None
         from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, DRAFT_MODES, ModelDrafter, NgramDrafter, Speculator, VerifyCost

@@ -55,13 +55,15 @@ class ServerConfig:
     parallel: Optional[int] = None  # sequences decoded together per model (None: pool.default_parallel())
     rpc: Optional[str] = None  # llama.cpp RPC workers HOST:PORT[,...] every model is split across (edgellm.serve.rpc_guard)
     rpc_split: Optional[str] = None
+    draft: str = "off"  # speculative decoding for requests without a "draft" field (issue 26)
 
 
 def _rpc_options(config: ServerConfig) -> Any:
-    if not config.rpc:
+    drafting = config.draft not in ("", "off")
+    if not config.rpc and not drafting:
         return None
-
-    return RuntimeOptions(rpc=config.rpc, rpc_split=config.rpc_split)
+    # drafts need flash attention to leave replies unchanged (engine.speculative)
+    return RuntimeOptions(rpc=config.rpc, rpc_split=config.rpc_split, draft=config.draft, flash_attn=True if drafting else None)
 
 
 def bind_warning(host: str, api_key: Optional[str]) -> Optional[str]:

@@ -77,6 +77,22 @@ class Metrics:
         metric("embedded_tokens_total", "counter", "Tokens of the inputs embedded.", by_model("embedded_tokens"))
         metric("kv_cells_used", "gauge", "KV cache cells in use (running sequences and cached prefixes).", by_model("kv_used"))
         metric("kv_cells", "gauge", "KV cache cells of the model's context (split between its sequence slots).", by_model("kv_cells"))
+        # speculative decoding, under llama-server's own names (llamacpp:spec_decode_*)
+        for key, name, help_ in (("draft_tokens", "num_draft_tokens_total", "Speculative: Total draft tokens generated"),
+                                 ("draft_accepted", "num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model"),
+                                 ("draft_steps", "num_drafts_total", "Speculative: Total speculative decoding verification steps")):
+            out.append(f"# HELP llamacpp:spec_decode_{name} {help_}")
+            out.append(f"# TYPE llamacpp:spec_decode_{name} counter")
+            out.append(f"llamacpp:spec_decode_{name} {sum(m.get(key, 0) for m in per.values())}")
+        per_pos: list[int] = []
+        for m in per.values():
+            for i, v in enumerate(m.get("draft_per_pos", [])):
+                per_pos += [0] * (i + 1 - len(per_pos))
+                per_pos[i] += v
+        if per_pos:
+            out.append("# HELP llamacpp:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position")
+            out.append("# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter")
+            out += [f'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {v}' for i, v in enumerate(per_pos)]
         return "\n".join(out) + "\n"
 
 

@@ -146,7 +146,9 @@ class ModelPool:
                              "prompt_tokens": e.prompt_tokens if e else 0, "cached_tokens": e.cached_tokens if e else 0,
                              "generated_tokens": e.generated_tokens if e else 0, "cache_hits": e.cache_hits if e else 0,
                              "kv_used": e.kv_tokens() if e else 0, "kv_cells": e.n_ctx if e else 0,
-                             "embedded_inputs": s.embedded_inputs, "embedded_tokens": s.embedded_tokens}
+                             "embedded_inputs": s.embedded_inputs, "embedded_tokens": s.embedded_tokens,
+                             "draft_tokens": e.drafts.drafted if e else 0, "draft_accepted": e.drafts.accepted if e else 0,
+                             "draft_steps": e.drafts.steps if e else 0, "draft_per_pos": list(e.drafts.per_pos) if e else []}
             return out
 
     def loaded(self) -> list[str]:

@@ -133,6 +133,12 @@ def _sampling(body: dict) -> tuple[SamplingParams, Optional[int]]:
     if top_k is not None:
         sp.top_k = top_k
     sp.seed = _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
+    # speculative decoding (issue 26): "draft": "ngram"|"off", absent: the server's --draft
+    draft = body.get("draft", "")
+    if draft not in ("", "off", "ngram"):
+        raise _bad("'draft' must be 'ngram' or 'off'", "draft", "invalid_value")
+    sp.draft = draft
+    sp.draft_max = _number(body, "draft_max", 0, 256, integer=True) or _number(body, "speculative.n_max", 0, 256, integer=True) or 0
     return sp, max_tokens
 
 
