@@ -18,7 +18,7 @@ def home() -> Path:
     env = os.environ.get("EDGELLM_HOME")
     if env:
         return Path(env).expanduser().resolve()
-    from platformdirs import user_data_dir
+    from platformdirs import user_data_dir  # platformdirs only when no EDGELLM_HOME/EDGELLM_CACHE is set
 
     return Path(user_data_dir(APP, appauthor=False))
 
@@ -27,7 +27,7 @@ def cache_dir() -> Path:
     env = os.environ.get("EDGELLM_CACHE")
     if env:
         return Path(env).expanduser().resolve()
-    from platformdirs import user_cache_dir
+    from platformdirs import user_cache_dir  # platformdirs only when no EDGELLM_HOME/EDGELLM_CACHE is set
 
     return Path(user_cache_dir(APP, appauthor=False))
 

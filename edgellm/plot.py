@@ -14,10 +14,10 @@ from edgellm.errors import UsageError
 def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend (no display needed), or a one-line error."""
     try:
-        import matplotlib
+        import matplotlib  # matplotlib (~0.5 s) only with --plot
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # matplotlib (~0.5 s) only with --plot
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'edgellm[plot]'") from None
     return plt

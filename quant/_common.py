@@ -10,6 +10,7 @@ file that is not complete.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -19,7 +20,6 @@ from edgellm.errors import ModelExists, QuantizeError, UsageError
 from edgellm.gguf.reader import GGUFInfo, read_gguf
 from edgellm.models.resolve import Resolved, derived_name, record_from_info, resolve
 from edgellm.models.store import ModelRecord, Store, validate_name
-import os
 
 log = logging.getLogger(__name__)
 

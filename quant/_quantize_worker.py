@@ -22,12 +22,14 @@ corrupt the protocol.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import signal
 import sys
 import threading
 import time
+import types
 
 _PR_SET_PDEATHSIG = 1
 
@@ -62,8 +64,6 @@ def _bindings():
     registered without running its __init__, and only the bindings module
     (the same functions `llama_cpp.llama_model_quantize` re-exports) loads.
     """
-    import importlib.util
-    import types
 
     if "llama_cpp" not in sys.modules:
         spec = importlib.util.find_spec("llama_cpp")
@@ -74,12 +74,12 @@ def _bindings():
             pkg.__file__ = spec.origin
             sys.modules["llama_cpp"] = pkg
             try:
-                import llama_cpp.llama_cpp as bindings
+                import llama_cpp.llama_cpp as bindings  # llama_cpp loads libllama: only where llama.cpp runs
 
                 return bindings
             except Exception:
                 del sys.modules["llama_cpp"]
-    import llama_cpp
+    import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
 
     return llama_cpp
 
@@ -90,7 +90,7 @@ def _extra_params(L, params, job: dict) -> list:
     byte-identical. Returns the Python objects the pointers point into."""
     keep: list = []
     if job.get("imatrix"):
-        from quant.imatrix_file import read_imatrix
+        from quant.imatrix_file import read_imatrix  # only with an imatrix: the worker starts in ~0.1 s
 
         m = read_imatrix(job["imatrix"])
         arr = (L.llama_model_imatrix_data * (len(m.entries) + 1))()

@@ -14,6 +14,7 @@ import json
 import os
 import queue
 import re
+import signal as _signal
 import subprocess
 import sys
 import threading
@@ -23,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from edgellm.errors import BackendCrash, QuantizeError
-import signal as _signal
 
 if TYPE_CHECKING:  # annotations only: prestart() runs before the command imports these
     from quant._common import OutputPlan
@@ -171,7 +171,6 @@ class Worker:
             r.join(timeout=2)
         words = last_words(job.run, self.stderr_tail)
         if rc is not None and rc < 0:
-
             try:
                 sig = _signal.Signals(-rc).name
             except ValueError:

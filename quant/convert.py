@@ -111,8 +111,8 @@ def convert(
     plan = plan_output(resolved, info, target.key, output=output, name=name, force=force, store=store)
     check_writable(plan.path.parent)
 
-    import numpy as np
-    from gguf import GGMLQuantizationType, GGUFWriter, Keys
+    import numpy as np  # numpy (~0.1 s) only where arrays are
+    from gguf import GGMLQuantizationType, GGUFWriter, Keys  # gguf-py pulls numpy: only where tensors are converted
 
     src = _read_for_copy(resolved.path)
     out_qtype = GGMLQuantizationType[target.name]
@@ -193,9 +193,9 @@ def convert(
 
 def _convert_tensor(t: Any, dst: Any, target: str):
     """One tensor's data in the `dst` type (numpy, row-major, ready to write)."""
-    import numpy as np
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+    import numpy as np  # numpy (~0.1 s) only where arrays are
+    from gguf import GGMLQuantizationType  # gguf-py pulls numpy: only where tensors are converted
+    from gguf.quants import dequantize, quantize  # gguf-py pulls numpy: only where tensors are converted
 
     if dst == t.tensor_type:
         return t.data
@@ -248,8 +248,12 @@ def _read_for_copy(path: Path) -> _Source:
     The tensor views use gguf-py's shapes, so `gguf.quants.dequantize` takes
     them as they are.
     """
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+    import numpy as np  # numpy (~0.1 s) only where arrays are
+    from gguf import (  # gguf-py pulls numpy: only where tensors are converted
+        GGML_QUANT_SIZES,
+        GGMLQuantizationType,
+        GGUFValueType,
+    )
 
     layout = read_layout(path)
     kvs = [(k, GGUFValueType(t), v, GGUFValueType(et) if et is not None else None) for k, t, v, et in layout.raw_kvs]

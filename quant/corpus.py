@@ -42,7 +42,7 @@ def _builtin_text() -> bytes:
     # Python's own documentation topics ship with every CPython: a corpus the
     # demo can use on any machine without a download.
     try:
-        from pydoc_data.topics import topics
+        from pydoc_data.topics import topics  # the Python docs corpus, only when it is asked for
     except ImportError:  # pragma: no cover - stripped Pythons
         raise EvalError("the built-in corpus needs Python's pydoc_data module, which this Python lacks; use --text FILE") from None
     return "\n\n".join(topics[k].strip() for k in sorted(topics)).encode("utf-8")

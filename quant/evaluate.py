@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import platform
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,6 +26,7 @@ from typing import Any, Optional, Sequence
 from edgellm import paths
 from edgellm.engine.hardware import cpu_model
 from edgellm.engine.memory import Shape, kv_bytes_per_token
+from edgellm.engine.rpc import prepare
 from edgellm.errors import EvalError, UsageError
 from edgellm.fsutil import atomic_path, atomic_write_text
 from edgellm.gguf.reader import read_gguf
@@ -44,6 +47,7 @@ from quant.perplexity import (
     ppl_with_error,
     score,
 )
+from quant.quantize import quantize
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +133,10 @@ def results_folder() -> Path:
 
 
 def _machine() -> str:
-    import platform
-
     return f"{cpu_model()}, {_cores()} cores, {platform.system()}"
 
 
 def _cores() -> int:
-    import os
-
     return os.cpu_count() or 1
 
 
@@ -216,8 +216,6 @@ def _targets(base: Any, items: Sequence[str], *, threads: Optional[int], store: 
             missing[key] = len(out)
             out.append(None)
     if missing:
-        from quant.quantize import quantize
-
         if cancel is not None:
             cancel.check()
         results = quantize(base.record.name if base.record else str(base.path), list(missing), threads=threads, store=store,
@@ -277,8 +275,6 @@ def evaluate(
     def runner_for(path: Path) -> LogitsRunner:
         plan = None
         if rpc:
-            from edgellm.engine.rpc import prepare
-
             plan = prepare(path, rpc, n_ctx=ctx * n_seq, split=rpc_split)
             if on_rpc_plan is not None:
                 on_rpc_plan(plan)
@@ -445,7 +441,7 @@ def write_plot(report: EvalReport, path: Path | str) -> Path:
             ax.errorbar(mb, vals, yerr=err, fmt=fmt, capsize=3, label=label)
             for x, y, t in zip(mb, vals, lv):
                 ax.annotate(level_tag(report, t), (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    import matplotlib.ticker as mticker
+    import matplotlib.ticker as mticker  # matplotlib (~0.5 s) only with --plot
 
     for ax, ylabel in ((axes[0], "mean KLD vs base (nats)"), (axes[1], "ΔPPL vs base (%)")):
         ax.xaxis.set_major_locator(mticker.MaxNLocator(5))

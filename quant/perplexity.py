@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from edgellm.engine import backends, hardware
+from edgellm.engine import backends, hardware, rpc_native
 from edgellm.engine.runtime import default_threads, silence_native_stderr
 from edgellm.errors import EvalError, RuntimeFailure, UsageError
 from edgellm.gguf.reader import check_tensor_data, read_gguf
@@ -50,8 +50,8 @@ DEFAULT_UBATCH = 512
 
 
 def _quiet_llama() -> Any:
-    import llama_cpp
-    from llama_cpp import _logger
+    import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
+    from llama_cpp import _logger  # llama_cpp loads libllama: only where llama.cpp runs
 
     _logger.set_verbose(False)
     return llama_cpp
@@ -61,7 +61,7 @@ class _Batch:
     """A llama_batch whose arrays numpy owns, so filling it is a few slice copies."""
 
     def __init__(self, capacity: int) -> None:
-        import llama_cpp
+        import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
 
         self.token = np.zeros(capacity, np.int32)
         self.pos = np.zeros(capacity, np.int32)
@@ -168,7 +168,6 @@ class LogitsRunner:
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = 0
         if rpc_plan is not None:  # layers on llama.cpp RPC workers (edgellm.engine.rpc); the plan was printed
-            from edgellm.engine import rpc_native
 
             _keep = rpc_native.apply_to_params(mp, rpc_plan)  # noqa: F841  (alive until the load returns)
         with silence_native_stderr():

@@ -139,7 +139,7 @@ def make_app(**kw: Any) -> EdgeApp:
 
 def _terminal_driver(term_file):
     """A driver that draws on `term_file` instead of fd 2, so fd 2 can go to a log."""
-    from textual.drivers.linux_driver import LinuxDriver
+    from textual.drivers.linux_driver import LinuxDriver  # textual only in the TUI
 
     class TerminalDriver(LinuxDriver):
         def __init__(self, *a, **kw) -> None:

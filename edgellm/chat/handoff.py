@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from edgellm.chat.template import ChatTemplate
+from edgellm.engine.rpc import parse_endpoints
 from edgellm.engine.runtime import SamplingParams, default_threads
 from edgellm.errors import ModelExists, UsageError
 from edgellm.fsutil import (
@@ -273,8 +274,6 @@ def llama_server(name: str, *, n_ctx: Optional[int] = None, threads: Optional[in
     args += ["--temp", f"{s['temperature']:g}", "--top-k", f"{s['top_k']:g}", "--top-p", f"{s['top_p']:g}",
              "--min-p", f"{s['min_p']:g}", "--repeat-penalty", f"{s['repeat_penalty']:g}"]
     if rpc:
-        from edgellm.engine.rpc import parse_endpoints
-
         args += ["--rpc", ",".join(map(str, parse_endpoints(rpc))), "-ngl", "99"]
     cmd = ["llama-server", *args, "--host", host, "--port", str(port)]
     swap_cmd = " ".join(shlex.quote(a) for a in ["llama-server", *args]) + " --port ${PORT}"  # llama-swap's macro

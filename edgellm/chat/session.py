@@ -425,7 +425,7 @@ def stats_line(st: GenerationStats) -> str:
 
 def _rss() -> int:
     try:
-        import psutil
+        import psutil  # psutil only where a process is measured
 
         return int(psutil.Process().memory_info().rss)
     except Exception:

@@ -41,7 +41,7 @@ class Constraint:
         return "json-schema" if self.schema is not None else "grammar"
 
     def grammar(self):
-        from llama_cpp.llama_grammar import LlamaGrammar
+        from llama_cpp.llama_grammar import LlamaGrammar  # llama_cpp loads libllama: only where llama.cpp runs
 
         return LlamaGrammar.from_string(self.gbnf, verbose=False)
 
@@ -70,7 +70,7 @@ class Constraint:
 
 
 def validation_error(value: Any, schema: dict[str, Any]) -> Optional[str]:
-    import jsonschema
+    import jsonschema  # jsonschema is slow to import; only with a schema
 
     cls = jsonschema.validators.validator_for(schema)
     best = jsonschema.exceptions.best_match(cls(schema).iter_errors(value))
@@ -86,7 +86,7 @@ def from_json_schema(text: str, *, source: str = "") -> Constraint:
     except ValueError as e:
         raise UsageError(f"the JSON schema{_of(source)} is not valid JSON: {e}") from None
     check_schema(schema, source=source)
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
+    from llama_cpp.llama_grammar import json_schema_to_gbnf  # llama_cpp loads libllama: only where llama.cpp runs
 
     try:
         gbnf = json_schema_to_gbnf(json.dumps(schema))
@@ -107,7 +107,7 @@ def check_schema(schema: Any, *, source: str = "") -> None:
     size = len(json.dumps(schema))
     if size > MAX_SCHEMA_BYTES:
         raise UsageError(f"the JSON schema{_of(source)} is {size} bytes; the limit is {MAX_SCHEMA_BYTES}")
-    import jsonschema
+    import jsonschema  # jsonschema is slow to import; only with a schema
 
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)

@@ -15,6 +15,7 @@ warning.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -221,11 +222,9 @@ class _Raised(Exception):
 
 
 def _make_env():
-    import datetime
-
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    import jinja2  # jinja2 only in the template sandbox
+    import jinja2.ext  # jinja2 only in the template sandbox
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # jinja2 only in the template sandbox
 
     class Env(ImmutableSandboxedEnvironment):
         # String repetition and powers can allocate gigabytes in one step.
@@ -257,7 +256,7 @@ def _make_env():
 def _worker_main() -> None:
     """Loop: read a request line, render, write a reply line. Runs in the subprocess."""
     try:
-        import resource
+        import resource  # POSIX only
 
         resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
     except (ImportError, ValueError, OSError):

@@ -126,7 +126,7 @@ def cli(ctx: click.Context, verbose: int) -> None:
 def _startup_cleanup() -> None:
     """Remove temp files of killed jobs, as promised: at the next start."""
     try:
-        from edgellm.models.store import Store
+        from edgellm.models.store import Store  # the store (filelock, the index) only when a command runs: `edgellm --help` < 0.3 s
 
         Store().cleanup()
     except Exception as e:  # housekeeping must never block a command

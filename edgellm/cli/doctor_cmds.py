@@ -7,6 +7,12 @@ import sys
 import click
 
 from edgellm.cli.output import emit_json
+from edgellm.engine import rpc, rpc_native
+from edgellm.engine.hardware import doctor
+from edgellm.errors import EdgeLLMError, ModelNotFound
+from edgellm.fsutil import human_size
+from edgellm.models.catalog import load_catalog
+from edgellm.models.resolve import resolve
 
 
 @click.command("doctor")
@@ -16,18 +22,12 @@ from edgellm.cli.output import emit_json
 def doctor_cmd(as_json: bool, model_ref, no_self_test: bool) -> None:
     """Versions, CPU features vs the build, GPU backends, RAM, disk, and a self-test
     that loads a model and generates 8 tokens in a subprocess."""
-    from edgellm.errors import ModelNotFound
-    from edgellm.fsutil import human_size
-    from edgellm.engine.hardware import doctor
-    from edgellm.models.resolve import resolve
 
     path = None
     try:
         if model_ref:
             path = resolve(model_ref).path
         else:
-            from edgellm.models.catalog import load_catalog
-
             path = resolve(load_catalog().default.name).path
     except ModelNotFound:
         if model_ref:
@@ -74,8 +74,6 @@ def doctor_cmd(as_json: bool, model_ref, no_self_test: bool) -> None:
 
 def _rpc_info() -> dict:
     """llama.cpp's RPC backend (`edgellm worker`, `--rpc`): in this build, and which protocol it speaks."""
-    from edgellm.engine import rpc, rpc_native
-    from edgellm.errors import EdgeLLMError
 
     try:
         version = ".".join(map(str, rpc.local_version()))

@@ -10,6 +10,7 @@ from edgellm.cli.output import emit_json, running_job
 from edgellm.cli.worker_cmds import prepare_rpc, rpc_options
 from edgellm.errors import UsageError
 from edgellm.fsutil import human_size
+from edgellm.models.resolve import resolve
 
 
 def _text_options(f):
@@ -53,8 +54,6 @@ def ppl_cmd(model, text, corpus, ctx, chunks, batch, threads, as_json, no_progre
     _check_source(text, corpus)
     rpc_plan = None
     if rpc or rpc_split:
-        from edgellm.models.resolve import resolve
-
         n_seq = max(1, (batch or 2048) // ctx) if ctx > 0 else 1
         rpc_plan = prepare_rpc(resolve(model).path, rpc, rpc_split, n_ctx=ctx * n_seq)
     with running_job(not no_progress and not as_json) as (bar, token):

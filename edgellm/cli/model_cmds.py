@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 from pathlib import Path
 
 import click
@@ -142,7 +143,6 @@ def export_cmd(names, dest: str, as_json: bool, n_ctx, threads, kv_type, rpc) ->
       edgellm export smollm2-135m-instruct-q4_1 --to ollama ./smollm2-ollama   # GGUF + Modelfile
       edgellm export smollm2-135m-instruct-q4_1 --to llama-server              # the command line
     """
-    import json as _json
 
     if dest in ("ollama", "llama-server"):
         return _handoff(dest, list(names), as_json, n_ctx=n_ctx, threads=threads, kv_type=kv_type, rpc=rpc)
@@ -152,8 +152,6 @@ def export_cmd(names, dest: str, as_json: bool, n_ctx, threads, kv_type, rpc) ->
     if as_json:
         emit_json({"path": str(folder), **manifest})
     else:
-        from edgellm.fsutil import human_size
-
         size = sum(m["size_bytes"] for m in manifest["models"])
         click.echo(f"exported {len(manifest['models'])} model(s), {human_size(size)}, to {folder}")
 
@@ -214,7 +212,6 @@ def import_cmd(args, tool, root, link: bool, name, as_json: bool) -> None:
         if path.is_dir():
             if link:
                 raise UsageError("--link is for a GGUF file or --from; a bundle is always copied")
-            from edgellm.models import bundle
 
             recs = bundle.import_bundle(path, on_progress=bar, cancel=token)
         else:

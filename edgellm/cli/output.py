@@ -7,12 +7,12 @@ import contextlib
 import json
 import os
 import signal
+from dataclasses import asdict
 from typing import Any, Iterator
 
 import click
 
 from edgellm.progress import CancelToken, TerminalBar, no_progress
-
 
 
 def emit_json(obj: Any) -> None:
@@ -25,8 +25,6 @@ def _json_default(o: Any) -> Any:
     if hasattr(o, "__fspath__"):
         return os.fspath(o)
     if hasattr(o, "__dataclass_fields__"):
-        from dataclasses import asdict
-
         return asdict(o)
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 

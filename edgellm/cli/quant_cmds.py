@@ -7,6 +7,8 @@ from pathlib import Path
 import click
 
 from edgellm.cli.output import emit_json, running_job
+from edgellm.errors import UsageError
+from edgellm.fsutil import human_size
 from edgellm.units import SIZE_HELP
 
 
@@ -51,8 +53,6 @@ def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, imatrix
     from quant.quantize import describe, quantize  # its worker is already starting (edgellm.cli: prestart)
 
     if budget is not None or recipe_file is not None:
-        from edgellm.errors import UsageError
-
         if levels:
             raise UsageError("--budget and --recipe choose the types themselves; drop --level")
         if budget is not None and recipe_file is not None:
@@ -64,7 +64,7 @@ def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, imatrix
                 r, recipe = apply_recipe(model, recipe_file, imatrix=imatrix, output=output, threads=threads,
                                          force=force, on_progress=bar, cancel=token)
             else:
-                from quant.budget import quantize_to_budget
+                from quant.budget import quantize_to_budget  # numpy and the sensitivity probes: only for --budget
 
                 r, recipe = quantize_to_budget(model, budget=budget, exclude=exclude_types.split(","),
                                                imatrix=imatrix, output=output, threads=threads, force=force,
@@ -106,8 +106,7 @@ def convert_cmd(model, to, output, name, force, as_json, no_progress) -> None:
     Example:
       edgellm convert smollm2-135m-instruct --to f16
     """
-    from edgellm.fsutil import human_size
-    from quant.convert import convert
+    from quant.convert import convert  # gguf-py and numpy: only for `convert`
 
     with running_job(not no_progress and not as_json) as (bar, token):
         r = convert(model, to, output=output, name=name, force=force, on_progress=bar, cancel=token)
@@ -148,8 +147,7 @@ def imatrix_cmd(model, text, ctx, chunks, name, threads, force, list_, as_json, 
       edgellm imatrix smollm2-135m-instruct-f16 --text notes.txt --chunks 32 --json
       edgellm quantize smollm2-135m-instruct-f16 -l iq2_xs --imatrix auto
     """
-    from edgellm.errors import UsageError
-    from quant.imatrix import compute_imatrix, describe, list_imatrices
+    from quant.imatrix import compute_imatrix, describe, list_imatrices  # numpy: only for `imatrix`
 
     if list_:
         recs = list_imatrices()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import click
 
 from edgellm.cli.worker_cmds import prepare_rpc, rpc_options
+from edgellm.engine.rpc import parse_endpoints
+from edgellm.errors import UsageError
+from edgellm.models.resolve import resolve
 from edgellm.serve.app import ServerConfig, bind_warning, describe, serve
 
 
@@ -38,17 +41,12 @@ def serve_cmd(model, host, port, api_key, max_loaded, queue_size, n_ctx, paralle
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        from edgellm.errors import UsageError
-
         raise UsageError(f"edgellm serve needs the server extra ({e.name} is missing): pip install 'edgellm[serve]'") from None
 
     if rpc and model:  # reach the workers and show the plan now: a bad --rpc is a one-line error before binding
-        from edgellm.models.resolve import resolve
 
         prepare_rpc(resolve(model).path, rpc, rpc_split, n_ctx=n_ctx or 4096)
     elif rpc:
-        from edgellm.engine.rpc import parse_endpoints
-
         parse_endpoints(rpc)
 
     cfg = ServerConfig(default_model=model, host=host, port=port, api_key=api_key or None, max_loaded=max_loaded,

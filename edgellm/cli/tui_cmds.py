@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from edgellm.errors import UsageError
@@ -14,7 +16,6 @@ def tui_cmd(initial: str) -> None:
 
     Keys 1-6 (or F1-F6) switch screens, Ctrl+Q quits; each screen's keys are
     in its footer."""
-    import sys
 
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError("the TUI needs an interactive terminal; use the subcommands (`edgellm --help`) in scripts")

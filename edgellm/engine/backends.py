@@ -38,8 +38,11 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from edgellm import paths
 from edgellm.engine import cpu_features as cpu_table
+from edgellm.engine.native_io import silence_native_stderr
 from edgellm.errors import RuntimeFailure
+from edgellm.fsutil import atomic_write_text
 
 _PREFIX = "libggml-cpu-"
 # Forces a variant (name or path): the self-test child is told which one to try this way.
@@ -143,8 +146,6 @@ def score(path: Path) -> tuple[Optional[int], str]:
 
 
 def _choice_file(found: dict[str, Path]) -> Path:
-    from edgellm import paths
-
     ident = {
         "machine": platform.machine(), "flags": sorted(cpu_flags()),
         "variants": {n: p.stat().st_size for n, p in found.items()},
@@ -234,8 +235,6 @@ def choose(model_path: Optional[Path] = None, *, refresh: bool = False, tester: 
         why += "; not self-tested yet (no model)"
     result = Choice(chosen.name, chosen.path, why, verified, "self-test" if verified else "score", rows)
     if verified:
-        from edgellm.fsutil import atomic_write_text
-
         memo.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(memo, json.dumps(result.to_json(), indent=1) + "\n")
     return result
@@ -268,8 +267,6 @@ def ensure(model_path: Optional[Path] = None, *, tester: Optional[Tester] = None
     ggml.ggml_backend_reg_by_name.argtypes, ggml.ggml_backend_reg_by_name.restype = [ctypes.c_char_p], ctypes.c_void_p
     os.environ["GGML_BACKEND_PATH"] = choice.path
     if not ggml.ggml_backend_reg_by_name(b"CPU"):
-        from edgellm.engine.native_io import silence_native_stderr
-
         with silence_native_stderr(), _quiet_llama_logger():  # ggml logs each load ("load_backend: loaded ...")
             # The other backends first: llama.cpp lists devices in registration order, GPUs before the CPU.
             for other in sorted(lib.glob("libggml-*.so")):
@@ -289,7 +286,7 @@ def ensure(model_path: Optional[Path] = None, *, tester: Optional[Tester] = None
 def _quiet_llama_logger() -> Iterator[None]:
     # llama_cpp routes ggml's log through its Python logger to sys.stderr, at every level until a Llama sets it
     try:
-        from llama_cpp._logger import logger
+        from llama_cpp._logger import logger  # llama_cpp loads libllama: only where llama.cpp runs
     except ImportError:
         yield
         return

@@ -81,7 +81,7 @@ def is_software(description: str) -> bool:
 
 def _ggml() -> Optional[ctypes.CDLL]:
     """The ggml library llama_cpp loaded (its dependency tree has the device registry)."""
-    import llama_cpp
+    import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
 
     # A portable build registers its backends (the CPU variant, Vulkan...) only when loaded; asked
     # before that, ggml's registry is empty and would stay so. A no-op for a host-flags build.
@@ -119,8 +119,8 @@ def list_devices() -> list[GpuDevice]:
     lib = _ggml()
     if lib is None:
         return []
-    import llama_cpp
-    from llama_cpp import _logger
+    import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
+    from llama_cpp import _logger  # llama_cpp loads libllama: only where llama.cpp runs
 
     # The first registry call starts the backends; Vulkan's start-up chatter ("Found 1 Vulkan devices")
     # would reach the user's terminal through llama-cpp-python's logger.

@@ -3,8 +3,10 @@ on the device, and the one-line warning and CPU path when the device fails."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import sys
 from typing import Any, Optional
 
 from edgellm.engine.gpu import GpuPlan
@@ -70,7 +72,7 @@ def _failure_reason(log_text: str, exc: BaseException) -> str:
 
 def _load_logged(llama_cpp, kw: dict[str, Any], *, verbose: bool, quiet):
     """Llama(**kw) with llama.cpp's log captured (the buffer sizes and any failure reason are in it)."""
-    from llama_cpp import _logger
+    from llama_cpp import _logger  # llama_cpp loads libllama: only where llama.cpp runs
 
     lines: list[str] = []
 
@@ -90,8 +92,6 @@ def _load_logged(llama_cpp, kw: dict[str, Any], *, verbose: bool, quiet):
         llama_cpp.llama_log_set(_logger.llama_log_callback, None)
     text = "".join(lines)
     if verbose:
-        import sys
-
         sys.stderr.write(text)
     return llm, text
 
@@ -101,9 +101,8 @@ def load_llama(kw: dict[str, Any], plan: Optional[GpuPlan], *, name: str, quiet=
     """Load with the plan; when the device fails (allocation refused, device lost, context not created)
     warn once and load again on the CPU. Returns (llm, llama.cpp's load log, the plan that ran).
     `quiet(enabled=)` silences native stderr (runtime.silence_native_stderr; passed in, runtime imports this module)."""
-    import contextlib
 
-    import llama_cpp
+    import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
 
     quiet = quiet or (lambda enabled: contextlib.nullcontext())
     try:

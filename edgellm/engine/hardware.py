@@ -22,7 +22,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from edgellm import paths
+from edgellm.engine import backends
 from edgellm.engine import cpu_features as cpu_table
+from edgellm.fsutil import free_bytes
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ def cpu_features() -> list[str]:
 
 
 def _system_info() -> dict[str, str]:
-    import llama_cpp
+    import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
 
     raw = llama_cpp.llama_print_system_info()
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
@@ -71,9 +74,9 @@ def compiled_features() -> list[str]:
 
 def gpu_backends() -> dict[str, Any]:
     """GPU backends compiled in and the devices ggml sees."""
-    import llama_cpp
+    import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
 
-    from edgellm.engine.gpu import list_devices, no_device_reason
+    from edgellm.engine.gpu import list_devices, no_device_reason  # gpu imports memory, which imports this module for the CPU features
 
     result: dict[str, Any] = {"offload_supported": bool(llama_cpp.llama_supports_gpu_offload()), "devices": []}
     # name, backend, memory, and "software: no speed-up expected" for llvmpipe/SwiftShader (edgellm.engine.gpu)
@@ -94,7 +97,7 @@ class Memory:
 
 
 def memory() -> Memory:
-    import psutil
+    import psutil  # psutil only where a process is measured
 
     vm = psutil.virtual_memory()
     return Memory(int(vm.total), int(vm.available))
@@ -179,11 +182,7 @@ class DoctorReport:
 
 
 def doctor(*, model_path: Optional[Path] = None, run_self_test: bool = True) -> DoctorReport:
-    import llama_cpp
-
-    from edgellm import paths
-    from edgellm.engine import backends
-    from edgellm.fsutil import free_bytes
+    import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
 
     # Before any llama.cpp query: a portable build has no CPU backend until one is loaded.
     choice = backends.ensure(model_path, tester=self_test if run_self_test else None)

@@ -108,7 +108,7 @@ def parse_endpoints(text: str | Sequence[str]) -> list[Endpoint]:
 
 def local_version() -> tuple[int, int, int]:
     """The RPC protocol this build of llama.cpp speaks, from the ggml-rpc.h installed with it."""
-    import llama_cpp
+    import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
 
     pkg = Path(llama_cpp.__file__).resolve().parent
     for header in (pkg.parent / "include" / "ggml-rpc.h", pkg / "include" / "ggml-rpc.h"):

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from edgellm.engine import backends
 from edgellm.engine.rpc import Endpoint, RpcError, prepare
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ _state: dict[str, Any] = {"mode": None, "cb": None, "endpoints": [], "listeners"
 
 
 def _lib_dir() -> Path:
-    import llama_cpp
+    import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
 
     return Path(llama_cpp.__file__).resolve().parent / "lib"
 
@@ -73,8 +74,6 @@ def _load(name: str) -> ctypes.CDLL:
 def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL]:
     cached = _state.get("libs")
     if cached is None:
-        from edgellm.engine import backends
-
         backends.ensure()  # a portable build registers RPC (a loadable backend) and its CPU variant here
         base, ggml, rpc = _load("libggml-base.so"), _load("libggml.so"), _load("libggml-rpc.so")
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
@@ -124,7 +123,7 @@ def add_servers(endpoints: Sequence[Endpoint]) -> list[int]:
 @contextlib.contextmanager
 def model_devices(devices: Sequence[int]) -> Iterator[None]:
     """The next `llama_cpp.Llama(...)` in this block loads onto `devices` (NULL-terminated list)."""
-    import llama_cpp.llama_cpp as lc
+    import llama_cpp.llama_cpp as lc  # llama_cpp loads libllama: only where llama.cpp runs
 
     arr = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
     orig = lc.llama_model_default_params
@@ -285,7 +284,7 @@ def offer_memory(dev: int, mem_bytes: Optional[int]) -> None:
     The device struct is ggml's static `ggml_backend_device`: its interface
     (a table of function pointers, get_memory third) comes first.
     """
-    import psutil
+    import psutil  # psutil only where a process is measured
 
     def get_memory(_dev, free, total) -> None:
         if mem_bytes is not None:
@@ -337,7 +336,7 @@ def loading(plan: Any, kw: dict[str, Any]) -> Iterator[None]:
 def apply_to_params(mp: Any, plan: Any) -> list[Any]:
     """Point a raw `llama_model_params` at the plan's devices (for code that loads without
     llama_cpp.Llama: perplexity, the bench worker). Keep the returned arrays alive until the load."""
-    import llama_cpp
+    import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
 
     devices = add_servers([w.endpoint for w in plan.workers])
     with _lock:

@@ -13,6 +13,8 @@ import signal
 import sys
 import time
 
+from edgellm.engine import backends
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
@@ -21,9 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
 
-    import llama_cpp
-
-    from edgellm.engine import backends
+    import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
 
     backends.ensure()  # the portable build's CPU variant (the parent names the one to try)
 

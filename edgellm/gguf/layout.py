@@ -9,8 +9,12 @@ parsed is `edgellm.gguf.validate`'s job; `edgellm.gguf.reader` joins the two.
 
 from __future__ import annotations
 
+import importlib.util
+import mmap
 import os
 import re
+import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -109,12 +113,10 @@ def gguf_constants():
     its real name; a later `import gguf` then reuses this very module (same
     enums), as the import system finds it in sys.modules.
     """
-    import sys
 
     mod = sys.modules.get("gguf.constants")
     if mod is not None:
         return mod
-    import importlib.util
 
     spec = importlib.util.find_spec("gguf")
     origin = Path(spec.origin) if spec is not None and spec.origin else None
@@ -234,9 +236,6 @@ def _parse(path: Path, size: int, *, raw: bool = False) -> _Parsed:
 
 # long: one bounds-checked pass over header, metadata and tensor table; the readers are closures sharing `pos`
 def _parse_file(path: Path, size: int, *, raw: bool = False) -> _Parsed:
-    import mmap
-    import struct
-
     consts = gguf_constants()
     GGML_QUANT_SIZES, GGMLQuantizationType = consts.GGML_QUANT_SIZES, consts.GGMLQuantizationType
     unpack_u64 = struct.Struct("<Q").unpack_from

@@ -39,6 +39,7 @@ from edgellm.fsutil import (
     partial_path,
 )
 from edgellm.gguf.reader import validate_for_import
+from edgellm.models.catalog import load_catalog
 from edgellm.models.store import ModelRecord, Store, validate_name
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
 
@@ -135,8 +136,6 @@ def _catalog_data(name: Optional[str]) -> Optional[dict[str, Any]]:
     if not name:
         return None
     try:
-        from edgellm.models.catalog import load_catalog
-
         e = load_catalog().find(name)
     except EdgeLLMError:
         return None

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -50,7 +51,7 @@ from edgellm.fsutil import (
 from edgellm.gguf.reader import read_gguf
 from edgellm.models.catalog import CatalogEntry, load_catalog, parse_ref
 from edgellm.models.preflight import Preflight, preflight_ram
-from edgellm.models.resolve import record_from_info
+from edgellm.models.resolve import record_from_info, store_name
 from edgellm.models.store import ModelRecord, Store, validate_name
 from edgellm.models.transfer import (
     RemoteFile,
@@ -128,7 +129,6 @@ def _target(ref: str, *, level, filename, revision, name) -> Target:
         files = entry.files.get(level)
         if not files:
             raise CatalogError(f"'{entry.name}' has no {level} file in {entry.repo}; levels there: {', '.join(entry.files) or 'none'}")
-        from edgellm.models.resolve import store_name
 
         return Target(entry.repo, level, list(files), revision, name or store_name(entry.name, level), entry)
     if base.count("/") != 1 or not all(re.fullmatch(r"[\w.-]{1,96}", p) for p in base.split("/")):
@@ -224,7 +224,7 @@ def pull(
         return rec
     if is_offline(offline):
         return _pull_offline(store, target, on_progress=on_progress, cancel=cancel)
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # huggingface_hub (~0.3 s) only on a Hub call
 
     ep = endpoint()
     what = {"repo": target.repo, "revision": target.revision}
@@ -267,7 +267,7 @@ def _existing(store: Store, target: Target, filenames: Optional[list[str]]) -> O
 
 def _download_and_register(store: Store, target: Target, name: str, commit: str, files: list[RemoteFile], *,
                            token, force, on_progress, on_preflight, cancel) -> ModelRecord:
-    import filelock
+    import filelock  # filelock only where the index is written
 
     dl = paths.ensure(downloads_dir(store))
     total = sum(f.size for f in files)
@@ -286,8 +286,8 @@ def _download_and_register(store: Store, target: Target, name: str, commit: str,
     except filelock.Timeout:
         raise DownloadError(f"another edgellm process is already downloading {name}") from None
     try:
-        from huggingface_hub import file_download
-        from huggingface_hub.utils import build_hf_headers
+        from huggingface_hub import file_download  # huggingface_hub (~0.3 s) only on a Hub call
+        from huggingface_hub.utils import build_hf_headers  # huggingface_hub (~0.3 s) only on a Hub call
 
         ep = endpoint()
         locations: dict[str, tuple[str, dict]] = {}
@@ -396,7 +396,6 @@ def _adopt(src: Path, final: Path, f: RemoteFile, *, on_progress, cancel) -> Non
             os.link(src, tmp)
         except OSError:
             check_free_disk(final.parent, f.size, what=f"copying {Path(f.filename).name} from the Hugging Face cache")
-            import shutil
 
             shutil.copyfile(src, tmp)
         got = sha256_file(tmp, on_progress=on_progress, cancel=cancel, task=f"verify {Path(f.filename).name}")

@@ -13,8 +13,10 @@ the index lists is always loadable; `check()` verifies that promise.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -165,7 +167,7 @@ class Store:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[dict[str, Any]]:
         """Lock, re-read, let the caller mutate `data['models']`, write atomically."""
-        from filelock import FileLock, Timeout
+        from filelock import FileLock, Timeout  # filelock only where the index is written
 
         self.home.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(self.home / "index.lock"))
@@ -269,8 +271,6 @@ def link_into_store(store: Store, src: Path, name: str, *, filename: str) -> tup
     instead: the store never deletes a file outside its folder, and
     `verify()`/resolve report the reference when it goes missing.
     """
-    import errno
-    import os
 
     src = src.resolve()  # a Hugging Face snapshot entry is a symlink to its blob
     folder = store.model_folder(name)

@@ -29,6 +29,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 N_BATCH = 2048  # llama-bench's defaults
@@ -84,14 +85,14 @@ def memory_snapshot(model_files: tuple[str, ...] = ()) -> dict[str, Optional[int
             "file": (st.get("RssFile") or 0) + (st.get("RssShmem") or 0),
             "model_file": _mapped_file_rss_linux(files) if files else 0,
         }
-    import psutil
+    import psutil  # psutil only where a process is measured
 
     proc = psutil.Process()
     rss = int(proc.memory_info().rss)
     peak = getattr(proc.memory_info(), "peak_wset", None)  # Windows
     if peak is None:
         try:
-            import resource
+            import resource  # POSIX only
 
             ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             peak = int(ru if sys.platform == "darwin" else ru * 1024)  # bytes on macOS, KiB elsewhere
@@ -136,7 +137,7 @@ def stats_ts(samples_ns: list[int], n_tokens: int) -> tuple[float, float]:
 
 def _device_split(lines: list[str]) -> dict[str, Any]:
     """llama.cpp's allocations on the GPU device(s) vs the host, and the layers it offloaded."""
-    from edgellm.engine.gpu_load import parse_buffers, split_bytes
+    from edgellm.engine.gpu_load import parse_buffers, split_bytes  # the bench child loads only what its run uses: it is timed
 
     text = "".join(lines)
     dev, host = split_bytes(text)
@@ -158,7 +159,7 @@ class _Threadpool:
     """
 
     def __init__(self, llama_cpp, ctx, n_threads: int) -> None:
-        from edgellm.engine import backends
+        from edgellm.engine import backends  # the bench child loads only what its run uses: it is timed
 
         self.ptr = None
         self.free = None
@@ -224,10 +225,9 @@ def _apply_rpc(mp, rpc: Optional[dict[str, Any]]) -> Any:
     """`edgellm bench --rpc`: the parent's plan (endpoints, n_gpu_layers, tensor_split) on these model params."""
     if not rpc:
         return None
-    from types import SimpleNamespace
 
-    from edgellm.engine import rpc_native
-    from edgellm.engine.rpc import parse_endpoints
+    from edgellm.engine import rpc_native  # only with --rpc
+    from edgellm.engine.rpc import parse_endpoints  # only with --rpc
 
     plan = SimpleNamespace(workers=[SimpleNamespace(endpoint=ep) for ep in parse_endpoints(rpc["endpoints"])],
                            n_gpu_layers=int(rpc["n_gpu_layers"]), tensor_split=[float(x) for x in rpc["tensor_split"]])
@@ -237,9 +237,8 @@ def _apply_rpc(mp, rpc: Optional[dict[str, Any]]) -> Any:
 # long: the timed run stays in one frame, like llama-bench's main loop: nothing between the samples but the decode calls
 def run(req: dict[str, Any]) -> int:
     _fixed_mmap_threshold()
+    import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
     import numpy as np  # imported before the baseline so it is not counted as the model's
-
-    import llama_cpp
 
     log_lines: list[str] = []
 
@@ -249,7 +248,7 @@ def run(req: dict[str, Any]) -> int:
             log_lines.append(text.decode("utf-8", "replace"))
 
     llama_cpp.llama_log_set(on_log, ctypes.c_void_p(0))
-    from edgellm.engine import backends
+    from edgellm.engine import backends  # the bench child loads only what its run uses: it is timed
 
     backends.ensure()  # the portable build's CPU variant (bench() chose and remembered it), before llama.cpp looks
     llama_cpp.llama_backend_init()

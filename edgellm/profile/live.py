@@ -32,7 +32,7 @@ class LiveSampler:
     """Tokens/s (fed by the caller with `.tokens(n)`) and RSS of `pid`, sampled every `interval` s on a thread."""
 
     def __init__(self, pid: Optional[int] = None, interval: float = 0.5, *, window: float = 3.0, max_samples: int = 600) -> None:
-        import psutil
+        import psutil  # psutil only where a process is measured
 
         self.proc = psutil.Process(pid)
         self.interval = interval
