@@ -140,7 +140,9 @@ def test_recommend(smol_eval, smol_env):
     assert rec["best"]["level"] == min(kld, key=kld.get) == "q8_0"
     assert rec["runner_up"]["level"] == sorted(kld, key=kld.get)[1]
     need = {c["level"]: c["need_bytes"] for c in rec["considered"]}
-    assert need["q8_0"] > need["q4_0"]
+    # On a CPU whose llama.cpp repacks Q4_0 (AVX2) its copy counts too, so Q4_0 can need more than Q8_0;
+    # some level still needs less than Q8_0, and the case below asks for it
+    assert any(need[lv] < need["q8_0"] for lv in need if lv != "q8_0"), need
     # Just below what Q8_0 needs: the best becomes the lowest-loss level that still fits.
     ram_gb = (need["q8_0"] - 1) / 1e9
     rec2 = json.loads(_run(smol_env, "recommend", "--ram", f"{ram_gb:.9f}", "--ctx", "2048", "--json").stdout)
