@@ -17,12 +17,13 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Iterator, Optional
+from typing import IO, Optional
 
 from edgellm.errors import Cancelled, InsufficientResources
-from edgellm.units import human_size  # noqa: F401  (callers import it from here too)
 from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
+from edgellm.units import human_size  # noqa: F401  (callers import it from here too)
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +135,7 @@ def sync_soon(paths: list[Path]) -> threading.Thread:
 
 
 def sha256_file(
-    path: Path,
-    *,
-    on_progress: ProgressCallback = no_progress,
-    cancel: Optional[CancelToken] = None,
-    task: str = "sha256",
+    path: Path, *, on_progress: ProgressCallback = no_progress, cancel: Optional[CancelToken] = None, task: str = "sha256"
 ) -> str:
     h = hashlib.sha256()
     meter = RateMeter()
@@ -154,8 +151,11 @@ def sha256_file(
                     h.update(view[done : done + CHUNK * 16])
                     if cancel is not None:
                         cancel.check()
-                    on_progress(Progress(task, min(done + CHUNK * 16, total), total, "B",
-                                         rate=meter.update(min(done + CHUNK * 16, total))))
+                    on_progress(
+                        Progress(
+                            task, min(done + CHUNK * 16, total), total, "B", rate=meter.update(min(done + CHUNK * 16, total))
+                        )
+                    )
             finally:
                 view.release()
     return h.hexdigest()

@@ -11,8 +11,9 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 from edgellm.errors import Cancelled
 from edgellm.units import human_size

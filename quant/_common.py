@@ -149,14 +149,7 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def register_output(
-    store: Store,
-    plan: OutputPlan,
-    info: GGUFInfo,
-    sha: str,
-    *,
-    resolved: Resolved,
-    source: str,
-    extra: dict[str, Any],
+    store: Store, plan: OutputPlan, info: GGUFInfo, sha: str, *, resolved: Resolved, source: str, extra: dict[str, Any]
 ) -> ModelRecord:
     """Register a finished, validated output with its lineage; a failure to
     register removes the file, so no unregistered output is left in the store."""
@@ -167,8 +160,9 @@ def register_output(
         raise
 
 
-def _register(store: Store, plan: OutputPlan, info: GGUFInfo, sha: str, *, resolved: Resolved, source: str,
-              extra: dict[str, Any]) -> ModelRecord:
+def _register(
+    store: Store, plan: OutputPlan, info: GGUFInfo, sha: str, *, resolved: Resolved, source: str, extra: dict[str, Any]
+) -> ModelRecord:
     rel = store.relative(plan.path)
     parent = resolved.record.name if resolved.record is not None else None
     if parent is None:
@@ -176,8 +170,16 @@ def _register(store: Store, plan: OutputPlan, info: GGUFInfo, sha: str, *, resol
     catalog = resolved.record.catalog if resolved.record is not None else None
     info.path = plan.path
     rec = record_from_info(
-        plan.name, info, [rel], sha, size_bytes=plan.path.stat().st_size,
-        source=source, parent=parent, catalog=catalog, file_sha256={rel: sha}, extra=extra,
+        plan.name,
+        info,
+        [rel],
+        sha,
+        size_bytes=plan.path.stat().st_size,
+        source=source,
+        parent=parent,
+        catalog=catalog,
+        file_sha256={rel: sha},
+        extra=extra,
     )
     return store.register(rec, replace=plan.replace)
 
@@ -202,4 +204,3 @@ def result_json(result: Any) -> dict[str, Any]:
         if key in d:
             d[key] = round(d[key], digits)
     return d
-

@@ -29,17 +29,33 @@ class Tensor(ctypes.Structure):
     """struct ggml_tensor of the pinned ggml.h (checked against ggml_tensor_overhead at load)."""
 
     _fields_ = [
-        ("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4),
-        ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16), ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p), ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64), ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8),
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
     ]
 
 
 class _Traits(ctypes.Structure):
-    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64), ("blck_size_interleave", ctypes.c_int64),
-                ("type_size", ctypes.c_size_t), ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
-                ("from_float_ref", ctypes.c_void_p)]
+    _fields_ = [
+        ("type_name", ctypes.c_char_p),
+        ("blck_size", ctypes.c_int64),
+        ("blck_size_interleave", ctypes.c_int64),
+        ("type_size", ctypes.c_size_t),
+        ("is_quantized", ctypes.c_bool),
+        ("to_float", ctypes.c_void_p),
+        ("from_float_ref", ctypes.c_void_p),
+    ]
 
 
 _OBJECT_SIZE = 32  # struct ggml_object: offs, size, next, type + 4 bytes padding
@@ -68,15 +84,23 @@ class GGML:
         lib.ggml_nbytes.restype = ctypes.c_size_t
         lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
         lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-        lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        lib.ggml_quantize_chunk.argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+        ]
         lib.ggml_row_size.restype = ctypes.c_size_t
         lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
         lib.ggml_get_type_traits.restype = ctypes.POINTER(_Traits)
         lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
         if lib.ggml_tensor_overhead() != _OBJECT_SIZE + ctypes.sizeof(Tensor):
-            raise RuntimeFailure("this llama.cpp build's ggml_tensor layout is not the pinned one; its tensors "
-                                 "cannot be read safely")
+            raise RuntimeFailure(
+                "this llama.cpp build's ggml_tensor layout is not the pinned one; its tensors cannot be read safely"
+            )
         ops = {lib.ggml_op_name(i).decode(): i for i in range(48)}
         self.lib = lib
         self.mul_mat, self.mul_mat_id, self.get_rows = ops["MUL_MAT"], ops["MUL_MAT_ID"], ops["GET_ROWS"]
@@ -89,8 +113,9 @@ class GGML:
         (ggml_quantize_chunk with the tensor's importance entry, or none)."""
         n, cols = rows.shape
         dst = np.empty(self.row_size(type_id, cols) * n, np.uint8)
-        self.lib.ggml_quantize_chunk(type_id, rows.ctypes.data, dst.ctypes.data, 0, n, cols,
-                                     imatrix.ctypes.data if imatrix is not None else None)
+        self.lib.ggml_quantize_chunk(
+            type_id, rows.ctypes.data, dst.ctypes.data, 0, n, cols, imatrix.ctypes.data if imatrix is not None else None
+        )
         return dst
 
     def to_float(self, type_id: int, data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:

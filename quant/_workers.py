@@ -71,7 +71,7 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-_spares: list["Worker"] = []
+_spares: list[Worker] = []
 
 
 def prestart() -> None:
@@ -101,7 +101,7 @@ class Worker:
     lines go to the shared `events` queue as (worker, line), None at EOF."""
 
     @classmethod
-    def get(cls, events: queue.Queue, threads: int) -> "Worker":
+    def get(cls, events: queue.Queue, threads: int) -> Worker:
         """A prestarted worker if there is a live one, else a new one."""
         while _spares:
             w = _spares.pop()
@@ -120,13 +120,18 @@ class Worker:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", _WORKER, str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=worker_env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=worker_env(),
             )
         except OSError as e:
             raise QuantizeError(f"cannot start the quantization worker: {e.strerror or e}") from None
         self.stderr_tail: deque = deque(maxlen=20)
-        self.readers = [threading.Thread(target=self._pump_stdout, daemon=True),
-                        threading.Thread(target=self._pump_stderr, daemon=True)]
+        self.readers = [
+            threading.Thread(target=self._pump_stdout, daemon=True),
+            threading.Thread(target=self._pump_stderr, daemon=True),
+        ]
         for r in self.readers:
             r.start()
 
@@ -201,7 +206,7 @@ def last_words(run: Run, stderr_tail: deque) -> str:
     return "no output"
 
 
-def llama_failure(job: Job, worker: "Worker", model: str) -> QuantizeError:
+def llama_failure(job: Job, worker: Worker, model: str) -> QuantizeError:
     reason = job.run.error or last_words(job.run, worker.stderr_tail)
     if "iostream error" in reason or "failbit" in reason:
         reason = f"could not write {job.tmp.parent} (disk full or a file size limit?) [{reason}]"

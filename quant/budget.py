@@ -34,13 +34,14 @@ those whose block divides the row width, so llama.cpp never falls back.
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 import json
 import re
 import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
@@ -61,6 +62,8 @@ from quant.quantize import QuantizeResult, TensorOverrides, quantize
 from quant.recipe import FILE_TYPE, TYPES, Recipe, llama_quantize_text, resolve_base
 
 SAMPLE_ROWS = 256
+
+
 @dataclass
 class Budget:
     bytes: int
@@ -97,8 +100,14 @@ class Matrix:
     options: list[tuple[str, int, float]]  # (type, bytes, weighted error), cheapest first
 
 
-def measure(model_path: Path, imatrix: IMatrix, types: Sequence[str], *, cancel: Optional[CancelToken] = None,
-            on_progress: Optional[ProgressCallback] = None) -> tuple[list[Matrix], int]:
+def measure(
+    model_path: Path,
+    imatrix: IMatrix,
+    types: Sequence[str],
+    *,
+    cancel: Optional[CancelToken] = None,
+    on_progress: Optional[ProgressCallback] = None,
+) -> tuple[list[Matrix], int]:
     """Every quantizable matrix's (type, bytes, error) options; and the bytes of the tensors kept as they are."""
 
     g = ggml()
@@ -117,7 +126,7 @@ def measure(model_path: Path, imatrix: IMatrix, types: Sequence[str], *, cancel:
         if cancel is not None:
             cancel.check()
         cols, rows = t.shape
-        data = np.frombuffer(raw[t.data_offset:t.data_offset + t.n_bytes], dtypes[t.type_name]).reshape(rows, cols)
+        data = np.frombuffer(raw[t.data_offset : t.data_offset + t.n_bytes], dtypes[t.type_name]).reshape(rows, cols)
         pick = np.unique(np.linspace(0, rows - 1, min(rows, SAMPLE_ROWS)).astype(np.int64))
         src = np.ascontiguousarray(data[pick], np.float32)
         imp = entries.get(t.name)
@@ -142,7 +151,9 @@ def measure(model_path: Path, imatrix: IMatrix, types: Sequence[str], *, cancel:
     return mats, kept
 
 
-def check_budget(model_path: Path, info: GGUFInfo, budget: Budget, exclude: Sequence[str]) -> tuple[list[str], set[str], int, int]:
+def check_budget(
+    model_path: Path, info: GGUFInfo, budget: Budget, exclude: Sequence[str]
+) -> tuple[list[str], set[str], int, int]:
     """(candidate types, excluded, metadata overhead, smallest file); refuses an impossible budget
     from sizes alone, before any measuring."""
     excl = {e.strip().upper() for e in exclude if e.strip()}
@@ -168,9 +179,14 @@ def smallest_bytes(model_path: Path, types: Sequence[str]) -> int:
     g = ggml()
     total = 0
     for t in read_tensors(model_path).tensors:
-        sizes = [t.shape[1] * g.row_size(TYPES[n][0], t.shape[0]) for n in types
-                 if len(t.shape) == 2 and t.name.endswith(".weight") and t.type_name in ("F16", "F32")
-                 and t.shape[0] % TYPES[n][1] == 0]
+        sizes = [
+            t.shape[1] * g.row_size(TYPES[n][0], t.shape[0])
+            for n in types
+            if len(t.shape) == 2
+            and t.name.endswith(".weight")
+            and t.type_name in ("F16", "F32")
+            and t.shape[0] % TYPES[n][1] == 0
+        ]
         total += min(sizes) if sizes else t.n_bytes
     return total
 
@@ -232,8 +248,12 @@ def _scaled(mats: list[Matrix], gain: Callable[[str, str], float], n_layers: int
     return out
 
 
-def _wanted(groups: dict[str, list[Matrix]], choice: Optional[dict[str, str]], results: dict[tuple[str, str], sensitivity.ProbeResult],
-            target_bpw: float) -> list[tuple[str, str, list[str], float]]:
+def _wanted(
+    groups: dict[str, list[Matrix]],
+    choice: Optional[dict[str, str]],
+    results: dict[tuple[str, str], sensitivity.ProbeResult],
+    target_bpw: float,
+) -> list[tuple[str, str, list[str], float]]:
     """The (group, type) probes the next allocation needs: before the first one, each group in its type
     nearest the budget's bits per weight; after, every type the allocation picked that is not measured."""
     want = []
@@ -254,10 +274,20 @@ def _wanted(groups: dict[str, list[Matrix]], choice: Optional[dict[str, str]], r
 
 
 # long: the search's rounds (probe, allocate, probe what it picked), with the prober's lifetime and the cache around them
-def calibrated_choice(model_path: Path, tensors: Sequence[sensitivity.TensorInfo], imatrix: IMatrix, mats: list[Matrix],
-                      limit: int, *, n_layers: int, model_sha256: str, imatrix_sha256: str, threads: Optional[int],
-                      cancel: Optional[CancelToken], on_progress: Optional[ProgressCallback],
-                      ) -> tuple[dict[str, str], int, dict[str, Any]]:
+def calibrated_choice(
+    model_path: Path,
+    tensors: Sequence[sensitivity.TensorInfo],
+    imatrix: IMatrix,
+    mats: list[Matrix],
+    limit: int,
+    *,
+    n_layers: int,
+    model_sha256: str,
+    imatrix_sha256: str,
+    threads: Optional[int],
+    cancel: Optional[CancelToken],
+    on_progress: Optional[ProgressCallback],
+) -> tuple[dict[str, str], int, dict[str, Any]]:
     """The allocation with each matrix's error scaled by its group's measured KLD per unit of error in the
     type at hand (quant/sensitivity.py); probes are measured as the allocation asks for them."""
     t0 = time.perf_counter()
@@ -276,7 +306,8 @@ def calibrated_choice(model_path: Path, tensors: Sequence[sensitivity.TensorInfo
     used, rounds = 0, 0
     type_ids = {k: v[0] for k, v in TYPES.items()}
     try:
-        for rounds in range(1, MAX_ROUNDS + 1):
+        for rnd in range(1, MAX_ROUNDS + 1):
+            rounds = rnd
             want = _wanted(groups, choice, results, target)
             if not want and choice is not None:
                 break
@@ -290,19 +321,41 @@ def calibrated_choice(model_path: Path, tensors: Sequence[sensitivity.TensorInfo
         prober.close()
     if len(results) > cached:
         sensitivity.save_results(key, results)
-    info = {"probes_measured": len(results) - cached, "probes_cached": cached, "rounds": rounds,
-            "probe_seconds": round(prober.seconds, 3), "seconds": round(time.perf_counter() - t0, 3),
-            "tokens": sensitivity.PROBE_CHUNKS * sensitivity.PROBE_CTX, "text": calibration_text().label,
-            "text_sha256": calibration_text().sha256,
-            "groups": {g: {t: {"kld": r.kld, "kld_err": r.kld_err, "error": r.error, "gain": r.gain}
-                           for (gg, t), r in sorted(results.items()) if gg == g} for g in groups}}
+    info = {
+        "probes_measured": len(results) - cached,
+        "probes_cached": cached,
+        "rounds": rounds,
+        "probe_seconds": round(prober.seconds, 3),
+        "seconds": round(time.perf_counter() - t0, 3),
+        "tokens": sensitivity.PROBE_CHUNKS * sensitivity.PROBE_CTX,
+        "text": calibration_text().label,
+        "text_sha256": calibration_text().sha256,
+        "groups": {
+            g: {
+                t: {"kld": r.kld, "kld_err": r.kld_err, "error": r.error, "gain": r.gain}
+                for (gg, t), r in sorted(results.items())
+                if gg == g
+            }
+            for g in groups
+        },
+    }
     return choice or {}, used, info
 
 
-def plan(model_path: Path, info: GGUFInfo, imatrix: IMatrix, budget: Budget, *, exclude: Sequence[str] = (),
-         cancel: Optional[CancelToken] = None, on_progress: Optional[ProgressCallback] = None, calibrate: bool = True,
-         model_sha256: Optional[str] = None, imatrix_sha256: Optional[str] = None,
-         threads: Optional[int] = None) -> Recipe:
+def plan(
+    model_path: Path,
+    info: GGUFInfo,
+    imatrix: IMatrix,
+    budget: Budget,
+    *,
+    exclude: Sequence[str] = (),
+    cancel: Optional[CancelToken] = None,
+    on_progress: Optional[ProgressCallback] = None,
+    calibrate: bool = True,
+    model_sha256: Optional[str] = None,
+    imatrix_sha256: Optional[str] = None,
+    threads: Optional[int] = None,
+) -> Recipe:
     """The recipe for `budget`: measured, allocated, with its exact predicted size and the search cost.
 
     With `calibrate`, each matrix's error is scaled by its group's gain in that type, measured on the
@@ -314,26 +367,50 @@ def plan(model_path: Path, info: GGUFInfo, imatrix: IMatrix, budget: Budget, *, 
     calibration: dict[str, Any] = {}
     if calibrate:
         choice, used, calibration = calibrated_choice(
-            model_path, read_tensors(model_path).tensors, imatrix, mats, limit, n_layers=info.block_count,
-            model_sha256=model_sha256 or sha256_file(model_path), imatrix_sha256=imatrix_sha256 or "none",
-            threads=threads, cancel=cancel, on_progress=on_progress)
+            model_path,
+            read_tensors(model_path).tensors,
+            imatrix,
+            mats,
+            limit,
+            n_layers=info.block_count,
+            model_sha256=model_sha256 or sha256_file(model_path),
+            imatrix_sha256=imatrix_sha256 or "none",
+            threads=threads,
+            cancel=cancel,
+            on_progress=on_progress,
+        )
     else:
         choice, used = allocate(mats, limit)
     return Recipe(
-        architecture=info.architecture, block_count=info.block_count, file_type=FILE_TYPE, budget=budget.to_json(),
-        excluded_types=sorted(excl), predicted_bytes=overhead + kept + used, smallest_bytes=smallest,
+        architecture=info.architecture,
+        block_count=info.block_count,
+        file_type=FILE_TYPE,
+        budget=budget.to_json(),
+        excluded_types=sorted(excl),
+        predicted_bytes=overhead + kept + used,
+        smallest_bytes=smallest,
         tensor_types=[(f"^{re.escape(m.name)}$", choice[m.name]) for m in mats],
         type_counts={t: sum(1 for v in choice.values() if v == t) for t in sorted(set(choice.values()))},
         search_seconds=round(time.perf_counter() - t0, 3),
-        measure="imatrix-weighted squared error" + (" x KLD per unit error of its group in that type, measured "
-                                                    "on the calibration text" if calibrate else ""),
-        calibration=calibration)
+        measure="imatrix-weighted squared error"
+        + (" x KLD per unit error of its group in that type, measured on the calibration text" if calibrate else ""),
+        calibration=calibration,
+    )
 
 
-def quantize_to_budget(model: str | Path | BaseInput, *, budget: str, exclude: Sequence[str] = (),
-                       imatrix: Optional[str] = None, output: Optional[Path] = None, threads: Optional[int] = None,
-                       force: bool = False, store: Optional[Store] = None, on_progress: Optional[ProgressCallback] = None,
-                       cancel: Optional[CancelToken] = None) -> tuple[QuantizeResult, Recipe]:
+def quantize_to_budget(
+    model: str | Path | BaseInput,
+    *,
+    budget: str,
+    exclude: Sequence[str] = (),
+    imatrix: Optional[str] = None,
+    output: Optional[Path] = None,
+    threads: Optional[int] = None,
+    force: bool = False,
+    store: Optional[Store] = None,
+    on_progress: Optional[ProgressCallback] = None,
+    cancel: Optional[CancelToken] = None,
+) -> tuple[QuantizeResult, Recipe]:
     """`--budget SIZE`: search the per-tensor types, save them as a recipe, quantize with them.
 
     Returns (QuantizeResult, recipe); the recipe carries `search_seconds`
@@ -350,9 +427,18 @@ def quantize_to_budget(model: str | Path | BaseInput, *, budget: str, exclude: S
     check_budget(resolved.path, info, b, exclude)
     # an imatrix first: the search measures with it and the quantization uses it
     choice = choose_imatrix(imatrix or "auto", resolved, store=store, on_progress=on_progress, cancel=cancel)
-    recipe = plan(resolved.path, info, choice.matrix, b, exclude=exclude, cancel=cancel, on_progress=on_progress,
-                  imatrix_sha256=choice.sha256, threads=threads,
-                  model_sha256=resolved.record.sha256 if resolved.record is not None else None)
+    recipe = plan(
+        resolved.path,
+        info,
+        choice.matrix,
+        b,
+        exclude=exclude,
+        cancel=cancel,
+        on_progress=on_progress,
+        imatrix_sha256=choice.sha256,
+        threads=threads,
+        model_sha256=resolved.record.sha256 if resolved.record is not None else None,
+    )
     recipe.model, recipe.imatrix = resolved.label, choice.lineage()
     label = "budget-" + re.sub(r"[^a-z0-9.]", "", budget.lower())
     jpath = paths.home() / "recipes" / f"{base_name(resolved, info)}-{label}.json"
@@ -360,13 +446,27 @@ def quantize_to_budget(model: str | Path | BaseInput, *, budget: str, exclude: S
     atomic_write_text(jpath, json.dumps(recipe.to_json(), indent=1) + "\n")
     atomic_write_text(jpath.with_suffix(".txt"), llama_quantize_text(recipe.tensor_types))
     written = [jpath, jpath.with_suffix(".txt")]
-    lineage: dict[str, Any] = {"file": recipe.file, "budget": recipe.budget, "excluded_types": recipe.excluded_types,
-                               "predicted_bytes": recipe.predicted_bytes, "type_counts": recipe.type_counts,
-                               "search_seconds": recipe.search_seconds}
+    lineage: dict[str, Any] = {
+        "file": recipe.file,
+        "budget": recipe.budget,
+        "excluded_types": recipe.excluded_types,
+        "predicted_bytes": recipe.predicted_bytes,
+        "type_counts": recipe.type_counts,
+        "search_seconds": recipe.search_seconds,
+    }
     try:
-        res = quantize(src, [FILE_TYPE], output=output, threads=threads, force=force, imatrix=choice,
-                       overrides=TensorOverrides(recipe.overrides(), lineage, label), store=store,
-                       on_progress=on_progress, cancel=cancel)[0]
+        res = quantize(
+            src,
+            [FILE_TYPE],
+            output=output,
+            threads=threads,
+            force=force,
+            imatrix=choice,
+            overrides=TensorOverrides(recipe.overrides(), lineage, label),
+            store=store,
+            on_progress=on_progress,
+            cancel=cancel,
+        )[0]
     except BaseException:
         for p in written:
             p.unlink(missing_ok=True)

@@ -28,21 +28,8 @@ from edgellm.fsutil import atomic_path, check_free_disk, sha256_file
 from edgellm.gguf.reader import read_gguf, read_layout
 from edgellm.models.resolve import resolve
 from edgellm.models.store import ModelRecord, Store
-from edgellm.progress import (
-    CancelToken,
-    Progress,
-    ProgressCallback,
-    RateMeter,
-    no_progress,
-)
-from quant._common import (
-    FLOAT_LEVELS,
-    check_writable,
-    inherited_lineage,
-    plan_output,
-    register_output,
-    result_json,
-)
+from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
+from quant._common import FLOAT_LEVELS, check_writable, inherited_lineage, plan_output, register_output, result_json
 from quant.levels import parse_level
 
 log = logging.getLogger(__name__)
@@ -100,7 +87,9 @@ def convert(
     store = store or Store()
     target = parse_level(to)
     if target.key not in FLOAT_LEVELS:
-        raise UsageError(f"convert writes f16, bf16 or f32, not {target.key}; use `edgellm quantize --level {target.key}` for that")
+        raise UsageError(
+            f"convert writes f16, bf16 or f32, not {target.key}; use `edgellm quantize --level {target.key}` for that"
+        )
     resolved = resolve(str(model_ref_or_path), store=store)
     info = read_gguf(resolved.path)
     label = resolved.label
@@ -142,7 +131,7 @@ def convert(
             writer.add_key_value(key, value, vtype, sub_type=sub_type)
     if not any(kv[0] == Keys.General.FILE_TYPE for kv in src.kvs):
         writer.add_uint32(Keys.General.FILE_TYPE, target.ftype)
-    for t, dst in zip(src.tensors, plan_types):
+    for t, dst in zip(src.tensors, plan_types, strict=False):
         np_shape = tuple(reversed(t.shape))
         nbytes = t.n_bytes if dst == t.tensor_type else t.n_elements * (4 if dst == GGMLQuantizationType.F32 else 2)
         writer.add_tensor_info(t.name, np_shape, np.dtype(np.float32), nbytes, raw_dtype=dst)
@@ -156,7 +145,7 @@ def convert(
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
-            for i, (t, dst) in enumerate(zip(src.tensors, plan_types)):
+            for i, (t, dst) in enumerate(zip(src.tensors, plan_types, strict=False)):
                 if cancel is not None:
                     cancel.check()
                 writer.write_tensor_data(_convert_tensor(t, dst, target.key))
@@ -170,7 +159,9 @@ def convert(
         src.close()
         out = read_gguf(tmp)
         if out.tensor_count != info.tensor_count or out.parameters != info.parameters:
-            raise GGUFError(f"the converted file has {out.tensor_count} tensors / {out.parameters} weights, the input {info.tensor_count} / {info.parameters}")
+            raise GGUFError(
+                f"the converted file has {out.tensor_count} tensors / {out.parameters} weights, the input {info.tensor_count} / {info.parameters}"
+            )
         sha = sha256_file(tmp, cancel=cancel)
 
     warnings: list[str] = []
@@ -185,9 +176,18 @@ def convert(
     extra.update(inherited_lineage(resolved))
     rec = register_output(store, plan, out, sha, resolved=resolved, source="convert", extra=extra)
     return ConvertResult(
-        name=rec.name, level=out.level, path=plan.path, size_bytes=out.size_bytes, bpw=out.bpw,
-        tensor_types=out.tensor_types, source_level=info.level, parent=rec.parent,
-        seconds=time.perf_counter() - t0, sha256=sha, warnings=warnings, record=rec,
+        name=rec.name,
+        level=out.level,
+        path=plan.path,
+        size_bytes=out.size_bytes,
+        bpw=out.bpw,
+        tensor_types=out.tensor_types,
+        source_level=info.level,
+        parent=rec.parent,
+        seconds=time.perf_counter() - t0,
+        sha256=sha,
+        warnings=warnings,
+        record=rec,
     )
 
 
@@ -265,10 +265,20 @@ def _read_for_copy(path: Path) -> _Source:
         shape = tuple(t.shape)
         np_shape = tuple(reversed(shape))
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or qtype.name in _INT_TYPES or qtype.name == "F64":
-            item = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}[qtype.name]
+            item = {
+                "F32": np.float32,
+                "F16": np.float16,
+                "F64": np.float64,
+                "I8": np.int8,
+                "I16": np.int16,
+                "I32": np.int32,
+                "I64": np.int64,
+            }[qtype.name]
             data = np.frombuffer(mm, dtype=item, count=t.n_elements, offset=t.data_offset).reshape(np_shape)
         else:
-            data = np.frombuffer(mm, dtype=np.uint8, count=t.n_bytes, offset=t.data_offset).reshape((*np_shape[:-1], np_shape[-1] // block * type_size))
+            data = np.frombuffer(mm, dtype=np.uint8, count=t.n_bytes, offset=t.data_offset).reshape(
+                (*np_shape[:-1], np_shape[-1] // block * type_size)
+            )
         tensors.append(_SrcTensor(t.name, shape, qtype, t.n_elements, t.n_bytes, data))
     return _Source(kvs, tensors, layout.alignment, mm)
 

@@ -44,7 +44,9 @@ def _builtin_text() -> bytes:
     try:
         from pydoc_data.topics import topics  # the Python docs corpus, only when it is asked for
     except ImportError:  # pragma: no cover - stripped Pythons
-        raise EvalError("the built-in corpus needs Python's pydoc_data module, which this Python lacks; use --text FILE") from None
+        raise EvalError(
+            "the built-in corpus needs Python's pydoc_data module, which this Python lacks; use --text FILE"
+        ) from None
     return "\n\n".join(topics[k].strip() for k in sorted(topics)).encode("utf-8")
 
 

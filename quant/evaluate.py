@@ -19,9 +19,10 @@ import os
 import platform
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from edgellm import paths
 from edgellm.engine.hardware import cpu_model
@@ -38,15 +39,7 @@ from quant.corpus import load_text
 from quant.imatrix import calibration_warnings
 from quant.kld import DEFAULT_TAIL_SAMPLES, DEFAULT_TOPK, BaseLogProbs, KLDAccumulator
 from quant.levels import parse_level
-from quant.perplexity import (
-    DEFAULT_BATCH,
-    DEFAULT_CTX,
-    LogitsRunner,
-    check_options,
-    plan_chunks,
-    ppl_with_error,
-    score,
-)
+from quant.perplexity import DEFAULT_BATCH, DEFAULT_CTX, LogitsRunner, check_options, plan_chunks, ppl_with_error, score
 from quant.quantize import quantize
 
 log = logging.getLogger(__name__)
@@ -122,7 +115,7 @@ class EvalReport:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "EvalReport":
+    def from_json(cls, d: dict[str, Any]) -> EvalReport:
         levels = [LevelEval(**lv) for lv in d.get("levels", [])]
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known and k != "levels"}, levels=levels)
@@ -170,8 +163,10 @@ def lineage_warning(resolved: Any, info: Any, store: Any) -> Optional[str]:
             src = m.group(1).lower()
     if not src:
         return None
-    return (f"the base {resolved.label} is {info.level} dequantized from {src}: its weights sit on the {src} grid, so "
-            f"KLD/ΔPPL measure distance to that grid, not to the original weights (levels close to {src} look better than they are)")
+    return (
+        f"the base {resolved.label} is {info.level} dequantized from {src}: its weights sit on the {src} grid, so "
+        f"KLD/ΔPPL measure distance to that grid, not to the original weights (levels close to {src} look better than they are)"
+    )
 
 
 def _find_level(base_rec: Any, key: str, store: Any) -> Optional[Any]:
@@ -193,8 +188,15 @@ class _Target:
     path: Path
 
 
-def _targets(base: Any, items: Sequence[str], *, threads: Optional[int], store: Any, on_progress: ProgressCallback,
-             cancel: Optional[CancelToken]) -> list[_Target]:
+def _targets(
+    base: Any,
+    items: Sequence[str],
+    *,
+    threads: Optional[int],
+    store: Any,
+    on_progress: ProgressCallback,
+    cancel: Optional[CancelToken],
+) -> list[_Target]:
     """Each --levels item: a level (found in the store or quantized now) or a model ref/path."""
 
     out: list[Optional[_Target]] = []
@@ -218,8 +220,14 @@ def _targets(base: Any, items: Sequence[str], *, threads: Optional[int], store: 
     if missing:
         if cancel is not None:
             cancel.check()
-        results = quantize(base.record.name if base.record else str(base.path), list(missing), threads=threads, store=store,
-                           on_progress=on_progress, cancel=cancel)
+        results = quantize(
+            base.record.name if base.record else str(base.path),
+            list(missing),
+            threads=threads,
+            store=store,
+            on_progress=on_progress,
+            cancel=cancel,
+        )
         for res in results:
             out[missing[res.level]] = _Target(res.level, res.name, Path(res.path))
     if any(t is None for t in out):
@@ -292,16 +300,27 @@ def evaluate(
     for t in targets:
         ti = read_gguf(t.path)
         if ti.vocab_size and info.vocab_size and ti.vocab_size != info.vocab_size:
-            raise EvalError(f"{t.name} has a vocabulary of {ti.vocab_size} tokens, the base {base.label} {info.vocab_size}: "
-                            "KL divergence needs the same vocabulary")
+            raise EvalError(
+                f"{t.name} has a vocabulary of {ti.vocab_size} tokens, the base {base.label} {info.vocab_size}: "
+                "KL divergence needs the same vocabulary"
+            )
 
     for w in calibration_warnings([t.name for t in targets], src.sha256, store):
         warnings.append(w)
         log.warning("%s", w)
 
     n_scored = plan.n_chunk * plan.n_scored_per_chunk
-    meta_key = {"base": _file_key(base.path), "text": src.sha256, "ctx": ctx, "chunks": plan.n_chunk, "k": topk, "m": tail_samples}
-    cache = results_folder() / "logprobs" / (hashlib.sha256(json.dumps(meta_key, sort_keys=True).encode()).hexdigest()[:24] + ".npz")
+    meta_key = {
+        "base": _file_key(base.path),
+        "text": src.sha256,
+        "ctx": ctx,
+        "chunks": plan.n_chunk,
+        "k": topk,
+        "m": tail_samples,
+    }
+    cache = (
+        results_folder() / "logprobs" / (hashlib.sha256(json.dumps(meta_key, sort_keys=True).encode()).hexdigest()[:24] + ".npz")
+    )
     base_lp: Optional[BaseLogProbs] = None
     if cache.is_file():
         try:
@@ -318,8 +337,9 @@ def evaluate(
             base_lp.add_chunk(idx * per, logits, targets_, nll, sm, seed=idx)
 
         with runner_for(base.path) as runner:
-            s, s2, count, secs = score(runner, tokens, plan, task=f"eval {base.label} (base)", on_chunk=keep,
-                                       on_progress=on_progress, cancel=cancel)
+            s, s2, count, secs = score(
+                runner, tokens, plan, task=f"eval {base.label} (base)", on_chunk=keep, on_progress=on_progress, cancel=cancel
+            )
         base_ppl, base_err = ppl_with_error(s, s2, count)
         base_lp.meta.update(ppl=base_ppl, ppl_err=base_err, tokens_per_second=plan.n_chunk * ctx / secs if secs > 0 else 0.0)
         base_lp.save(cache)
@@ -332,32 +352,71 @@ def evaluate(
         acc = KLDAccumulator(base_lp)
         per = plan.n_scored_per_chunk
 
-        def compare(idx, logits, targets_, nll, sm, acc=acc) -> None:
+        def compare(idx, logits, targets_, nll, sm, acc=acc, per=per) -> None:
             acc.add_chunk(idx * per, logits, nll, sm)
 
         with runner_for(t.path) as runner:
             if runner.n_vocab != n_vocab or not _same_tokens(runner.tokenize(src.data[:4096]), for_check):
-                raise EvalError(f"{t.name} tokenizes the text differently from the base {base.label} (a different vocabulary); "
-                                "KL divergence needs the same vocabulary")
-            s, s2, count, secs = score(runner, tokens, plan, task=f"eval {t.label}", on_chunk=compare,
-                                       on_progress=on_progress, cancel=cancel)
+                raise EvalError(
+                    f"{t.name} tokenizes the text differently from the base {base.label} (a different vocabulary); "
+                    "KL divergence needs the same vocabulary"
+                )
+            s, s2, count, secs = score(
+                runner, tokens, plan, task=f"eval {t.label}", on_chunk=compare, on_progress=on_progress, cancel=cancel
+            )
         ppl, err = ppl_with_error(s, s2, count)
         r = acc.result()
         ti = read_gguf(t.path)
-        results.append(LevelEval(
-            level=t.label, name=t.name, path=str(t.path), size_bytes=ti.size_bytes, bpw=ti.bpw, ppl=ppl, ppl_err=err,
-            dppl_pct=100.0 * (ppl / base_ppl - 1.0), kld_mean=r.kld_mean, kld_err=r.kld_err, kld_median=r.kld_median,
-            kld_p99=r.kld_p99, kld_max=r.kld_max, same_top_p=100.0 * r.same_top_p, same_top_p_err=100.0 * r.same_top_p_err,
-            rms_dp=100.0 * r.rms_dp, rms_dp_err=100.0 * r.rms_dp_err,
-            tokens_per_second=plan.n_chunk * ctx / secs if secs > 0 else 0.0, seconds=secs, kld=r.to_json(),
-        ))
+        results.append(
+            LevelEval(
+                level=t.label,
+                name=t.name,
+                path=str(t.path),
+                size_bytes=ti.size_bytes,
+                bpw=ti.bpw,
+                ppl=ppl,
+                ppl_err=err,
+                dppl_pct=100.0 * (ppl / base_ppl - 1.0),
+                kld_mean=r.kld_mean,
+                kld_err=r.kld_err,
+                kld_median=r.kld_median,
+                kld_p99=r.kld_p99,
+                kld_max=r.kld_max,
+                same_top_p=100.0 * r.same_top_p,
+                same_top_p_err=100.0 * r.same_top_p_err,
+                rms_dp=100.0 * r.rms_dp,
+                rms_dp_err=100.0 * r.rms_dp_err,
+                tokens_per_second=plan.n_chunk * ctx / secs if secs > 0 else 0.0,
+                seconds=secs,
+                kld=r.to_json(),
+            )
+        )
 
     report = EvalReport(
-        base=base.label, base_path=str(base.path), base_level=info.level, base_size_bytes=info.size_bytes, base_bpw=info.bpw,
-        base_ppl=base_ppl, base_ppl_err=base_err, base_tokens_per_second=float(base_lp.meta.get("tokens_per_second", 0.0)),
-        parameters=info.parameters, kv_bytes_per_token=kv_bytes_per_token(info), shape=asdict(Shape.of(info)), corpus=src.label, corpus_sha256=src.sha256, ctx=ctx,
-        chunks=plan.n_chunk, n_tokens_scored=n_scored, batch=plan.n_batch, threads=threads_used, topk=base_lp.k,
-        tail_samples=base_lp.m, machine=_machine(), created=time.time(), levels=results, warnings=warnings,
+        base=base.label,
+        base_path=str(base.path),
+        base_level=info.level,
+        base_size_bytes=info.size_bytes,
+        base_bpw=info.bpw,
+        base_ppl=base_ppl,
+        base_ppl_err=base_err,
+        base_tokens_per_second=float(base_lp.meta.get("tokens_per_second", 0.0)),
+        parameters=info.parameters,
+        kv_bytes_per_token=kv_bytes_per_token(info),
+        shape=asdict(Shape.of(info)),
+        corpus=src.label,
+        corpus_sha256=src.sha256,
+        ctx=ctx,
+        chunks=plan.n_chunk,
+        n_tokens_scored=n_scored,
+        batch=plan.n_batch,
+        threads=threads_used,
+        topk=base_lp.k,
+        tail_samples=base_lp.m,
+        machine=_machine(),
+        created=time.time(),
+        levels=results,
+        warnings=warnings,
     )
     if save:
         report.path = str(save_report(report))
@@ -378,7 +437,12 @@ def save_report(report: EvalReport) -> Path:
         old = EvalReport.from_json(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError):
         old = None
-    if old is not None and (old.base_path, old.corpus_sha256, old.ctx, old.chunks) == (report.base_path, report.corpus_sha256, report.ctx, report.chunks):
+    if old is not None and (old.base_path, old.corpus_sha256, old.ctx, old.chunks) == (
+        report.base_path,
+        report.corpus_sha256,
+        report.ctx,
+        report.chunks,
+    ):
         new = {lv.level for lv in report.levels}
         doc = report.to_json()
         doc["levels"] = [lv.to_json() for lv in old.levels if lv.level not in new] + doc["levels"]
@@ -426,8 +490,10 @@ def write_plot(report: EvalReport, path: Path | str) -> Path:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
     # two series on one size axis: llama.cpp's stock levels, and edgellm's imatrix/--budget/--recipe files
-    series = [("llama.cpp levels", "o-", [x for x in report.levels if not is_edgellm_recipe(x.name)]),
-              ("edgellm imatrix / --budget", "s--", [x for x in report.levels if is_edgellm_recipe(x.name)])]
+    series = [
+        ("llama.cpp levels", "o-", [x for x in report.levels if not is_edgellm_recipe(x.name)]),
+        ("edgellm imatrix / --budget", "s--", [x for x in report.levels if is_edgellm_recipe(x.name)]),
+    ]
     for label, fmt, group in series:
         lv = sorted(group, key=lambda x: x.size_bytes)
         if not lv:
@@ -439,7 +505,7 @@ def write_plot(report: EvalReport, path: Path | str) -> Path:
             (axes[1], [x.dppl_pct for x in lv], [100 * float(x.kld.get("ppl_ratio_err", 0.0)) for x in lv]),
         ):
             ax.errorbar(mb, vals, yerr=err, fmt=fmt, capsize=3, label=label)
-            for x, y, t in zip(mb, vals, lv):
+            for x, y, t in zip(mb, vals, lv, strict=False):
                 ax.annotate(level_tag(report, t), (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
     import matplotlib.ticker as mticker  # matplotlib (~0.5 s) only with --plot
 
@@ -451,8 +517,11 @@ def write_plot(report: EvalReport, path: Path | str) -> Path:
         ax.grid(alpha=0.3)
         if len([g for _l, _f, g in series if g]) > 1:
             ax.legend(fontsize=8)
-    fig.suptitle(f"{report.base} ({report.base_level}, PPL {report.base_ppl:.2f}) — {report.corpus}, ctx {report.ctx}, "
-                 f"{report.chunks} chunks", fontsize=9)
+    fig.suptitle(
+        f"{report.base} ({report.base_level}, PPL {report.base_ppl:.2f}) — {report.corpus}, ctx {report.ctx}, "
+        f"{report.chunks} chunks",
+        fontsize=9,
+    )
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
@@ -460,5 +529,13 @@ def write_plot(report: EvalReport, path: Path | str) -> Path:
     return path
 
 
-__all__ = ["evaluate", "EvalReport", "LevelEval", "load_eval_results", "save_report", "write_plot",
-           "lineage_warning", "results_folder"]
+__all__ = [
+    "evaluate",
+    "EvalReport",
+    "LevelEval",
+    "load_eval_results",
+    "save_report",
+    "write_plot",
+    "lineage_warning",
+    "results_folder",
+]

@@ -44,30 +44,12 @@ import numpy as np
 from edgellm import paths
 from edgellm.engine import backends, hardware
 from edgellm.engine.runtime import default_threads, silence_native_stderr
-from edgellm.errors import (
-    EvalError,
-    ModelExists,
-    ModelNotFound,
-    QuantizeError,
-    RuntimeFailure,
-    UsageError,
-)
-from edgellm.fsutil import (
-    atomic_path,
-    atomic_write_text,
-    remove_stale_partials,
-    sha256_file,
-)
+from edgellm.errors import EvalError, ModelExists, ModelNotFound, QuantizeError, RuntimeFailure, UsageError
+from edgellm.fsutil import atomic_path, atomic_write_text, remove_stale_partials, sha256_file
 from edgellm.gguf.reader import check_tensor_data, read_gguf
 from edgellm.models.resolve import resolve
 from edgellm.models.store import Store, validate_name
-from edgellm.progress import (
-    CancelToken,
-    Progress,
-    ProgressCallback,
-    RateMeter,
-    no_progress,
-)
+from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
 from quant._imatrix_collect import Collector
 from quant.corpus import Text, load_text
 from quant.imatrix_file import IMatrix, check_against_model, encode, read_imatrix
@@ -179,12 +161,25 @@ def compute_imatrix(
         runner.close()
     m = collector.result([txt.label])
     arch = runner.architecture
-    model_sha = (resolved.record.sha256 if resolved.record is not None and len(resolved.record.sha256) == 64
-                 else sha256_file(resolved.path))
+    model_sha = (
+        resolved.record.sha256
+        if resolved.record is not None and len(resolved.record.sha256) == 64
+        else sha256_file(resolved.path)
+    )
     rec = ImatrixRecord(
-        name=name, file=str(target), model=label, model_sha256=model_sha, architecture=arch, text=txt.label,
-        text_sha256=txt.sha256, text_tokens=int(len(tokens)), tokens=plan.n_chunk * ctx, ctx=ctx, chunks=plan.n_chunk,
-        entries=len(m.entries), seconds=round(time.perf_counter() - t0, 3),
+        name=name,
+        file=str(target),
+        model=label,
+        model_sha256=model_sha,
+        architecture=arch,
+        text=txt.label,
+        text_sha256=txt.sha256,
+        text_tokens=int(len(tokens)),
+        tokens=plan.n_chunk * ctx,
+        ctx=ctx,
+        chunks=plan.n_chunk,
+        entries=len(m.entries),
+        seconds=round(time.perf_counter() - t0, 3),
     )
     if cancel is not None:
         cancel.check()
@@ -197,8 +192,7 @@ def compute_imatrix(
 class _Runner:
     """The model, a context whose cb_eval is a Collector, and llama-imatrix's chunk loop."""
 
-    def __init__(self, path: Path, *, ctx: int, batch: int, threads: Optional[int],
-                 cancel: Optional[CancelToken] = None) -> None:
+    def __init__(self, path: Path, *, ctx: int, batch: int, threads: Optional[int], cancel: Optional[CancelToken] = None) -> None:
         info = read_gguf(path)
         check_tensor_data(path)
         self.architecture = info.architecture
@@ -244,8 +238,9 @@ class _Runner:
     def tokenize(self, data: bytes) -> np.ndarray:
         return tokenize(self.ll, self.vocab, data)
 
-    def run(self, tokens: np.ndarray, plan: Any, *, on_progress: ProgressCallback, cancel: Optional[CancelToken],
-            task: str) -> Collector:
+    def run(
+        self, tokens: np.ndarray, plan: Any, *, on_progress: ProgressCallback, cancel: Optional[CancelToken], task: str
+    ) -> Collector:
         ll, b, n_ctx = self.ll, self.batch, self.n_ctx
         num_batches = (n_ctx + self.n_batch - 1) // self.n_batch
         mem = ll.llama_get_memory(self.ctx)
@@ -258,8 +253,16 @@ class _Runner:
             ll.llama_memory_clear(mem, True)
             for j in range(num_batches):
                 # all outputs (first_output 0), as llama-imatrix: the last layer sees every token
-                b.fill_chunks(tokens, start=start, j=j, n_ctx=n_ctx, n_batch=self.n_batch, n_seq=n_seq_batch,
-                              bos=self.bos if self.add_bos else None, first_output=0)
+                b.fill_chunks(
+                    tokens,
+                    start=start,
+                    j=j,
+                    n_ctx=n_ctx,
+                    n_batch=self.n_batch,
+                    n_seq=n_seq_batch,
+                    bos=self.bos if self.add_bos else None,
+                    first_output=0,
+                )
                 rc = ll.llama_decode(self.ctx, b.struct)
                 if self.collector.error is not None:
                     raise self.collector.error
@@ -314,16 +317,32 @@ class ImatrixChoice:
     sha256: str
 
     def lineage(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"file": str(self.path), "sha256": self.sha256, "chunks": self.matrix.chunk_count,
-                             "chunk_size": self.matrix.chunk_size, "datasets": self.matrix.datasets}
+        d: dict[str, Any] = {
+            "file": str(self.path),
+            "sha256": self.sha256,
+            "chunks": self.matrix.chunk_count,
+            "chunk_size": self.matrix.chunk_size,
+            "datasets": self.matrix.datasets,
+        }
         if self.record is not None:
-            d.update(name=self.record.name, model=self.record.model, text=self.record.text,
-                     text_sha256=self.record.text_sha256, tokens=self.record.tokens)
+            d.update(
+                name=self.record.name,
+                model=self.record.model,
+                text=self.record.text,
+                text_sha256=self.record.text_sha256,
+                tokens=self.record.tokens,
+            )
         return d
 
 
-def choose_imatrix(ref: str, resolved: Any, *, store: Any = None, on_progress: ProgressCallback = no_progress,
-                   cancel: Optional[CancelToken] = None) -> ImatrixChoice:
+def choose_imatrix(
+    ref: str,
+    resolved: Any,
+    *,
+    store: Any = None,
+    on_progress: ProgressCallback = no_progress,
+    cancel: Optional[CancelToken] = None,
+) -> ImatrixChoice:
     """`--imatrix NAME|FILE|auto` for the model `resolved`, checked against it.
 
     auto: the newest stored matrix made from this very file (same sha256), else
@@ -333,14 +352,22 @@ def choose_imatrix(ref: str, resolved: Any, *, store: Any = None, on_progress: P
     label = resolved.label
     record: Optional[ImatrixRecord] = None
     if ref == "auto":
-        sha = (resolved.record.sha256 if resolved.record is not None and len(resolved.record.sha256) == 64
-               else sha256_file(resolved.path))
+        sha = (
+            resolved.record.sha256
+            if resolved.record is not None and len(resolved.record.sha256) == 64
+            else sha256_file(resolved.path)
+        )
         mine = [r for r in list_imatrices() if r.model_sha256 == sha]
         if mine:
             record = max(mine, key=lambda r: r.created)
         else:
-            record = compute_imatrix(resolved.path if resolved.record is None else resolved.record.name, store=store,
-                                     force=True, on_progress=on_progress, cancel=cancel)
+            record = compute_imatrix(
+                resolved.path if resolved.record is None else resolved.record.name,
+                store=store,
+                force=True,
+                on_progress=on_progress,
+                cancel=cancel,
+            )
         path = record.path
     elif os.sep in ref or ref.endswith(".gguf") or ref.endswith(".dat") or Path(ref).is_file():
         path = Path(ref).expanduser()
@@ -353,12 +380,24 @@ def choose_imatrix(ref: str, resolved: Any, *, store: Any = None, on_progress: P
 
 
 def describe(rec: ImatrixRecord) -> str:
-    return (f"{rec.name}: importance matrix of {rec.model} on {rec.text} ({rec.chunks} chunks x {rec.ctx} tokens), "
-            f"{rec.entries} entries, {rec.seconds:.1f} s\n  {rec.file}")
+    return (
+        f"{rec.name}: importance matrix of {rec.model} on {rec.text} ({rec.chunks} chunks x {rec.ctx} tokens), "
+        f"{rec.entries} entries, {rec.seconds:.1f} s\n  {rec.file}"
+    )
 
 
-__all__ = ["compute_imatrix", "choose_imatrix", "list_imatrices", "get_imatrix", "calibration_text", "Collector",
-           "ImatrixRecord", "ImatrixChoice", "describe", "QuantizeError"]
+__all__ = [
+    "compute_imatrix",
+    "choose_imatrix",
+    "list_imatrices",
+    "get_imatrix",
+    "calibration_text",
+    "Collector",
+    "ImatrixRecord",
+    "ImatrixChoice",
+    "describe",
+    "QuantizeError",
+]
 
 
 def calibration_warnings(names: list[str], text_sha256: str, store: Any) -> list[str]:
@@ -369,10 +408,14 @@ def calibration_warnings(names: list[str], text_sha256: str, store: Any) -> list
         rec = store.find(n)
         if rec is None:
             continue
-        for what, lineage in (("importance matrix", rec.extra.get("imatrix")),
-                              ("recipe's importance matrix", (rec.extra.get("recipe") or {}).get("imatrix"))):
+        for what, lineage in (
+            ("importance matrix", rec.extra.get("imatrix")),
+            ("recipe's importance matrix", (rec.extra.get("recipe") or {}).get("imatrix")),
+        ):
             if isinstance(lineage, dict) and lineage.get("text_sha256") == text_sha256:
-                out.append(f"{n}: its {what} was computed on this evaluation text ({lineage.get('text')}, sha256 "
-                           f"{text_sha256[:12]}...): its scores are optimistic; evaluate on another text")
+                out.append(
+                    f"{n}: its {what} was computed on this evaluation text ({lineage.get('text')}, sha256 "
+                    f"{text_sha256[:12]}...): its scores are optimistic; evaluate on another text"
+                )
                 break
     return out

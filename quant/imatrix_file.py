@@ -75,7 +75,8 @@ def encode(m: IMatrix) -> bytes:
     """The bytes llama-imatrix would write for `m` (GGUF v3)."""
     kv = [
         _string("general.type") + struct.pack("<I", _T_STR) + _string("imatrix"),
-        _string("imatrix.datasets") + struct.pack("<IIQ", _T_ARR, _T_STR, len(m.datasets))
+        _string("imatrix.datasets")
+        + struct.pack("<IIQ", _T_ARR, _T_STR, len(m.datasets))
         + b"".join(_string(d) for d in m.datasets),
         _string("imatrix.chunk_count") + struct.pack("<II", _T_U32, m.chunk_count),
         _string("imatrix.chunk_size") + struct.pack("<II", _T_U32, m.chunk_size),
@@ -89,8 +90,12 @@ def encode(m: IMatrix) -> bytes:
     infos, offset = [], 0
     for tname, shape, data in tensors:
         dims = _dims(shape)
-        infos.append(_string(tname) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
-                     + struct.pack("<IQ", _F32, offset))
+        infos.append(
+            _string(tname)
+            + struct.pack("<I", len(dims))
+            + struct.pack(f"<{len(dims)}Q", *dims)
+            + struct.pack("<IQ", _F32, offset)
+        )
         offset += _pad(len(data))
     head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)) + b"".join(kv) + b"".join(infos)
     out = bytearray(head + b"\0" * (_pad(len(head)) - len(head)))
@@ -109,8 +114,10 @@ def read_imatrix(path: Path | str) -> IMatrix:
     except OSError as e:
         raise QuantizeError(unreadable(path, e)) from None
     if head != b"GGUF":
-        raise QuantizeError(f"{what} (not a GGUF file; the legacy .dat format is not read: convert it with "
-                            "`llama-imatrix --in-file X.dat -o X.gguf`)")
+        raise QuantizeError(
+            f"{what} (not a GGUF file; the legacy .dat format is not read: convert it with "
+            "`llama-imatrix --in-file X.dat -o X.gguf`)"
+        )
     try:
         parsed = read_layout(path)
     except GGUFError as e:
@@ -182,12 +189,16 @@ def check_against_model(m: IMatrix, model_path: Path | str, *, label: str, model
         return
     want = {n for n in widths if n.startswith("blk.") and n.endswith(".weight") and _is_matmul_weight(n)}
     if want and len(want & set(m.entries)) < len(want) // 2:
-        raise QuantizeError(f"imatrix {label} covers only {len(want & set(m.entries))} of the {len(want)} layer "
-                            f"matrices of {model_label}: it was made for another model")
+        raise QuantizeError(
+            f"imatrix {label} covers only {len(want & set(m.entries))} of the {len(want)} layer "
+            f"matrices of {model_label}: it was made for another model"
+        )
 
 
 def _is_matmul_weight(name: str) -> bool:
-    return any(k in name for k in ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_gate", "ffn_up", "ffn_down", "attn_qkv."))
+    return any(
+        k in name for k in ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_gate", "ffn_up", "ffn_down", "attn_qkv.")
+    )
 
 
 def summary(m: IMatrix) -> dict[str, Any]:

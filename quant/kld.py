@@ -51,8 +51,15 @@ FORMAT_VERSION = 2
 class BaseLogProbs:
     """The base model's compact per-token log-probabilities, filled chunk by chunk."""
 
-    def __init__(self, n_tokens: int, n_vocab: int, *, k: int = DEFAULT_TOPK, m: int = DEFAULT_TAIL_SAMPLES,
-                 meta: Optional[dict[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        n_tokens: int,
+        n_vocab: int,
+        *,
+        k: int = DEFAULT_TOPK,
+        m: int = DEFAULT_TAIL_SAMPLES,
+        meta: Optional[dict[str, Any]] = None,
+    ) -> None:
         k = max(1, min(k, n_vocab - 1))
         self.k, self.m = k, m
         self.n_vocab = n_vocab
@@ -79,7 +86,7 @@ class BaseLogProbs:
         k, n = self.k, len(targets)
         rows = slice(row0, row0 + n)
         V = logits.shape[1]
-        part = np.argpartition(logits, V - k, axis=1)[:, V - k:]
+        part = np.argpartition(logits, V - k, axis=1)[:, V - k :]
         part.sort(axis=1)  # by id first, so equal logits keep llama.cpp's lowest-id-wins order
         vals = np.take_along_axis(logits, part, axis=1)
         order = np.argsort(-vals, axis=1, kind="stable")
@@ -124,13 +131,20 @@ class BaseLogProbs:
         meta = dict(self.meta, k=self.k, m=self.m, n_vocab=self.n_vocab, version=FORMAT_VERSION)
         with atomic_path(path) as tmp:
             with open(tmp, "wb") as fh:
-                np.savez(fh, ids=self.ids, logp=self.logp, rest_logp=self.rest_logp, nll=self.nll,
-                         tail_ids=self.tail_ids, tail_logp=self.tail_logp,
-                         meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+                np.savez(
+                    fh,
+                    ids=self.ids,
+                    logp=self.logp,
+                    rest_logp=self.rest_logp,
+                    nll=self.nll,
+                    tail_ids=self.tail_ids,
+                    tail_logp=self.tail_logp,
+                    meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+                )
         return path
 
     @classmethod
-    def load(cls, path: Path) -> "BaseLogProbs":
+    def load(cls, path: Path) -> BaseLogProbs:
         try:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(bytes(z["meta"]).decode())
@@ -252,7 +266,7 @@ class KLDAccumulator:
         ppl, ppl_base = math.exp(log_ppl), math.exp(log_base)
         ppl_e, ppl_base_e = ppl * log_ppl_e, ppl_base * log_base_e
         ratio = log_ppl - log_base
-        ratio_e = math.sqrt(max(log_ppl_e ** 2 + log_base_e ** 2 - 2.0 * cov, 0.0))
+        ratio_e = math.sqrt(max(log_ppl_e**2 + log_base_e**2 - 2.0 * cov, 0.0))
         ppl_cov = ppl * ppl_base * cov
         kld, kld_e = mean_and_uncertainty(self.sum_kld, self.sum_kld2, c)
         kv = np.sort(self.kld_values[:c])
@@ -261,13 +275,33 @@ class KLDAccumulator:
         rms = math.sqrt(mse)
         top = self.n_same_top / c
         return KLDResult(
-            count=c, ppl=ppl, ppl_err=ppl_e, ppl_base=ppl_base, ppl_base_err=ppl_base_e,
-            ln_ppl_ratio=ratio, ln_ppl_ratio_err=ratio_e, ppl_ratio=math.exp(ratio), ppl_ratio_err=math.exp(ratio) * ratio_e,
-            ppl_diff=ppl - ppl_base, ppl_diff_err=math.sqrt(max(ppl_e ** 2 + ppl_base_e ** 2 - 2.0 * ppl_cov, 0.0)),
-            kld_mean=kld, kld_err=kld_e, kld_max=float(kv[-1]), kld_p999=percentile(kv, 0.999), kld_p99=percentile(kv, 0.99),
-            kld_p95=percentile(kv, 0.95), kld_p90=percentile(kv, 0.90), kld_median=median(kv), kld_min=float(kv[0]),
-            dp_mean=dp, dp_err=dp_e, rms_dp=rms, rms_dp_err=0.5 / rms * mse_e if rms > 0 else 0.0, max_dp=self.max_p_diff,
-            same_top_p=top, same_top_p_err=math.sqrt(top * (1 - top) / (c - 1)),
+            count=c,
+            ppl=ppl,
+            ppl_err=ppl_e,
+            ppl_base=ppl_base,
+            ppl_base_err=ppl_base_e,
+            ln_ppl_ratio=ratio,
+            ln_ppl_ratio_err=ratio_e,
+            ppl_ratio=math.exp(ratio),
+            ppl_ratio_err=math.exp(ratio) * ratio_e,
+            ppl_diff=ppl - ppl_base,
+            ppl_diff_err=math.sqrt(max(ppl_e**2 + ppl_base_e**2 - 2.0 * ppl_cov, 0.0)),
+            kld_mean=kld,
+            kld_err=kld_e,
+            kld_max=float(kv[-1]),
+            kld_p999=percentile(kv, 0.999),
+            kld_p99=percentile(kv, 0.99),
+            kld_p95=percentile(kv, 0.95),
+            kld_p90=percentile(kv, 0.90),
+            kld_median=median(kv),
+            kld_min=float(kv[0]),
+            dp_mean=dp,
+            dp_err=dp_e,
+            rms_dp=rms,
+            rms_dp_err=0.5 / rms * mse_e if rms > 0 else 0.0,
+            max_dp=self.max_p_diff,
+            same_top_p=top,
+            same_top_p_err=math.sqrt(top * (1 - top) / (c - 1)),
         )
 
 
@@ -305,4 +339,13 @@ def percentile(sorted_values: np.ndarray, fraction: float) -> float:
     return float((np.float32(1) - p) * sorted_values[ip] + p * nxt)
 
 
-__all__ = ["BaseLogProbs", "KLDAccumulator", "KLDResult", "DEFAULT_TOPK", "mean_and_uncertainty", "covariance", "percentile", "median"]
+__all__ = [
+    "BaseLogProbs",
+    "KLDAccumulator",
+    "KLDResult",
+    "DEFAULT_TOPK",
+    "mean_and_uncertainty",
+    "covariance",
+    "percentile",
+    "median",
+]

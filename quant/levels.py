@@ -129,10 +129,22 @@ _BY_FTYPE = {lv.ftype: lv for lv in LEVELS}
 # What llama.cpp stores instead when a tensor's rows are not a multiple of the
 # type's block (`tensor_type_fallback()` in src/llama-quant.cpp).
 FALLBACK = {
-    "IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL", "IQ2_S": "IQ4_NL",
-    "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ4_XS": "IQ4_NL",
-    "Q2_0": "Q4_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0", "TQ1_0": "Q4_0", "TQ2_0": "Q4_0",
-    "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
+    "IQ1_S": "IQ4_NL",
+    "IQ1_M": "IQ4_NL",
+    "IQ2_XXS": "IQ4_NL",
+    "IQ2_XS": "IQ4_NL",
+    "IQ2_S": "IQ4_NL",
+    "IQ3_XXS": "IQ4_NL",
+    "IQ3_S": "IQ4_NL",
+    "IQ4_XS": "IQ4_NL",
+    "Q2_0": "Q4_0",
+    "Q2_K": "Q4_0",
+    "Q3_K": "Q4_0",
+    "TQ1_0": "Q4_0",
+    "TQ2_0": "Q4_0",
+    "Q4_K": "Q5_0",
+    "Q5_K": "Q5_1",
+    "Q6_K": "Q8_0",
 }
 
 
@@ -142,7 +154,7 @@ def all_levels(*, usable_only: bool = False) -> list[Level]:
 
 
 def parse_level(text: str) -> Level:
-    """"q4_k_m", "Q4_K_M", "q4_k" (alias) or "15" (the ftype number) → Level.
+    """ "q4_k_m", "Q4_K_M", "q4_k" (alias) or "15" (the ftype number) → Level.
 
     Raises `UsageError` naming the accepted levels.
     """
@@ -172,8 +184,21 @@ def type_bpw(ggml_type: str) -> float:
     return size * 8 / block
 
 
-__all__ = ["Level", "LEVELS", "ALIASES", "FALLBACK", "QK_K", "all_levels", "parse_level", "level_for_ftype", "type_bpw",
-           "level_estimate", "is_quantized", "check_levels", "estimate_size"]
+__all__ = [
+    "Level",
+    "LEVELS",
+    "ALIASES",
+    "FALLBACK",
+    "QK_K",
+    "all_levels",
+    "parse_level",
+    "level_for_ftype",
+    "type_bpw",
+    "level_estimate",
+    "is_quantized",
+    "check_levels",
+    "estimate_size",
+]
 
 
 def level_estimate(parameters: int, level: str, *, ctx: int = DEFAULT_CTX) -> MemoryEstimate:
@@ -195,8 +220,9 @@ def is_quantized(info: GGUFInfo) -> bool:
     return any(t not in ("F32", "F16", "BF16", "I8", "I16", "I32", "I64", "F64") for t in info.tensor_types)
 
 
-def check_levels(wanted: list[Level], info: GGUFInfo, label: str, *, allow_requantize: bool,
-                 has_imatrix: bool = False) -> list[str]:
+def check_levels(
+    wanted: list[Level], info: GGUFInfo, label: str, *, allow_requantize: bool, has_imatrix: bool = False
+) -> list[str]:
     """Refuse levels this model cannot be quantized to (one line each); the warnings for those it can."""
     for lv in wanted:
         if lv.needs_imatrix and not has_imatrix:
@@ -205,7 +231,9 @@ def check_levels(wanted: list[Level], info: GGUFInfo, label: str, *, allow_requa
                 f"(or a matrix from `edgellm imatrix {label}`)"
             )
         if not lv.readable:
-            raise QuantizeError(f"{lv.key} output cannot be validated: the installed gguf-py does not know the {lv.base_type} tensor type")
+            raise QuantizeError(
+                f"{lv.key} output cannot be validated: the installed gguf-py does not know the {lv.base_type} tensor type"
+            )
         if info.file_type == lv.ftype:
             raise QuantizeError(f"{label} is already {lv.key}; pick another level")
     warnings = []

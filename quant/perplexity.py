@@ -24,9 +24,10 @@ import ctypes
 import logging
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CTX = 512
 DEFAULT_BATCH = 2048  # llama-perplexity's default: 4 chunks of 512 per decode
 DEFAULT_UBATCH = 512
-
 
 
 # -- the llama.cpp driver ---------------------------------------------------
@@ -80,8 +80,18 @@ class _Batch:
         self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
         self.struct.n_tokens = 0
 
-    def fill_chunks(self, tokens: np.ndarray, *, start: int, j: int, n_ctx: int, n_batch: int, n_seq: int,
-                    bos: Optional[int], first_output: int) -> int:
+    def fill_chunks(
+        self,
+        tokens: np.ndarray,
+        *,
+        start: int,
+        j: int,
+        n_ctx: int,
+        n_batch: int,
+        n_seq: int,
+        bos: Optional[int],
+        first_output: int,
+    ) -> int:
         """Batch `j` of `n_seq` consecutive chunks of `n_ctx` tokens from `start`,
         as llama-perplexity and llama-imatrix lay them out: each chunk its own
         sequence, BOS over the first token of a chunk when the model adds one,
@@ -91,12 +101,12 @@ class _Batch:
         n = 0
         for seq in range(n_seq):
             s = start + j * n_batch + seq * n_ctx
-            self.token[n:n + size] = tokens[s:s + size]
+            self.token[n : n + size] = tokens[s : s + size]
             if bos is not None and j == 0:
                 self.token[n] = bos
-            self.pos[n:n + size] = pos
-            self.seq[n:n + size] = seq
-            self.logits[n:n + size] = pos >= first_output
+            self.pos[n : n + size] = pos
+            self.seq[n : n + size] = seq
+            self.logits[n : n + size] = pos >= first_output
             n += size
         self.struct.n_tokens = n
         return n
@@ -137,9 +147,7 @@ def plan_chunks(n_tokens: int, n_ctx: int, chunks: Optional[int], batch: Optiona
     if batch < 1:
         raise UsageError("--batch must be at least 1")
     if n_tokens < 2 * n_ctx:
-        raise EvalError(
-            f"the text tokenizes to only {n_tokens} tokens; perplexity with --ctx {n_ctx} needs at least {2 * n_ctx}"
-        )
+        raise EvalError(f"the text tokenizes to only {n_tokens} tokens; perplexity with --ctx {n_ctx} needs at least {2 * n_ctx}")
     n_chunk_max = n_tokens // n_ctx
     n_chunk = n_chunk_max if chunks is None else min(chunks, n_chunk_max)
     n_seq = max(1, batch // n_ctx)
@@ -155,8 +163,9 @@ class LogitsRunner:
     iteration) and the token each row predicts.
     """
 
-    def __init__(self, path: Path | str, *, n_ctx: int, n_seq: int, n_batch: int, threads: Optional[int] = None,
-                 rpc_plan: Any = None) -> None:
+    def __init__(
+        self, path: Path | str, *, n_ctx: int, n_seq: int, n_batch: int, threads: Optional[int] = None, rpc_plan: Any = None
+    ) -> None:
         self.path = Path(path)
         self.info = read_gguf(self.path)  # validate before llama.cpp sees the file
         check_tensor_data(self.path)  # NaN/Inf weights would only yield "PPL nan"
@@ -168,7 +177,6 @@ class LogitsRunner:
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = 0
         if rpc_plan is not None:  # layers on llama.cpp RPC workers (edgellm.engine.rpc); the plan was printed
-
             _keep = rpc_native.apply_to_params(mp, rpc_plan)  # noqa: F841  (alive until the load returns)
         with silence_native_stderr():
             self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
@@ -206,7 +214,7 @@ class LogitsRunner:
             self._ll.llama_model_free(self.model)
             self.model = None
 
-    def __enter__(self) -> "LogitsRunner":
+    def __enter__(self) -> LogitsRunner:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -222,7 +230,9 @@ class LogitsRunner:
         """common_tokenize(ctx, text, add_special=true, parse_special=false)."""
         return tokenize(self._ll, self.vocab, data)
 
-    def chunks(self, tokens: np.ndarray, plan: ChunkPlan, *, cancel: Optional[CancelToken] = None) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    def chunks(
+        self, tokens: np.ndarray, plan: ChunkPlan, *, cancel: Optional[CancelToken] = None
+    ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         ll, b = self._ll, self._batch
         n_ctx, first, n_vocab = plan.n_ctx, plan.first, self.n_vocab
         n_out = n_ctx - first  # outputs requested per chunk (the last one predicts nothing)
@@ -239,15 +249,23 @@ class LogitsRunner:
             ll.llama_memory_clear(mem, True)
             got = 0
             for j in range(num_batches):
-                n = b.fill_chunks(tokens, start=start, j=j, n_ctx=n_ctx, n_batch=plan.n_batch, n_seq=n_seq_batch,
-                                  bos=self.bos if self.add_bos else None, first_output=first)
+                n = b.fill_chunks(
+                    tokens,
+                    start=start,
+                    j=j,
+                    n_ctx=n_ctx,
+                    n_batch=plan.n_batch,
+                    n_seq=n_seq_batch,
+                    bos=self.bos if self.add_bos else None,
+                    first_output=first,
+                )
                 rc = ll.llama_decode(self.ctx, b.struct)
                 if rc != 0:
                     raise RuntimeFailure(f"llama.cpp failed to decode chunk {i + 1} of {self.path.name} (code {rc})")
                 n_outputs = int(np.count_nonzero(b.logits[:n]))
                 if n_outputs and joined is not None:
                     view = np.ctypeslib.as_array(ll.llama_get_logits(self.ctx), shape=(n_outputs, n_vocab))
-                    joined[got:got + n_outputs] = view
+                    joined[got : got + n_outputs] = view
                     got += n_outputs
             if joined is not None:
                 all_logits = joined[None]
@@ -257,7 +275,7 @@ class LogitsRunner:
             self.eval_seconds += time.perf_counter() - t0
             for seq in range(n_seq_batch):
                 s = start + seq * n_ctx
-                yield i + seq, all_logits[seq, :n_score], tokens[s + first + 1:s + n_ctx]
+                yield i + seq, all_logits[seq, :n_score], tokens[s + first + 1 : s + n_ctx]
 
 
 def tokenize(llama_cpp: Any, vocab: Any, data: bytes) -> np.ndarray:
@@ -384,7 +402,16 @@ def score(
         done = idx + 1
         elapsed = time.perf_counter() - t0
         if done % plan.n_seq == 0 or done == plan.n_chunk:
-            on_progress(Progress(task, done, plan.n_chunk, "chunk", message=f"PPL {math.exp(sum_nll / count):.4f}  {done * plan.n_ctx / elapsed:.0f} tok/s", rate=done / elapsed if elapsed > 0 else None))
+            on_progress(
+                Progress(
+                    task,
+                    done,
+                    plan.n_chunk,
+                    "chunk",
+                    message=f"PPL {math.exp(sum_nll / count):.4f}  {done * plan.n_ctx / elapsed:.0f} tok/s",
+                    rate=done / elapsed if elapsed > 0 else None,
+                )
+            )
     return sum_nll, sum_nll2, count, time.perf_counter() - t0
 
 
@@ -409,21 +436,30 @@ def perplexity(
     batch = DEFAULT_BATCH if batch is None else batch
     check_options(ctx, batch, threads, chunks)
     n_seq = max(1, batch // ctx)
-    with LogitsRunner(resolved.path, n_ctx=ctx, n_seq=n_seq, n_batch=min(batch, n_seq * ctx), threads=threads,
-                      rpc_plan=rpc_plan) as runner:
+    with LogitsRunner(
+        resolved.path, n_ctx=ctx, n_seq=n_seq, n_batch=min(batch, n_seq * ctx), threads=threads, rpc_plan=rpc_plan
+    ) as runner:
         tokens = runner.tokenize(src.data)
         plan = plan_chunks(len(tokens), ctx, chunks, batch)
         s, s2, count, secs = score(runner, tokens, plan, on_progress=on_progress, cancel=cancel)
         ppl, err = ppl_with_error(s, s2, count)
         evaluated = plan.n_chunk * plan.n_ctx
         return PerplexityResult(
-            model=resolved.label, path=str(resolved.path), ppl=ppl, ppl_err=err, n_chunks=plan.n_chunk,
-            n_tokens_scored=count, n_tokens_evaluated=evaluated, tokens_per_second=evaluated / secs if secs > 0 else 0.0,
-            seconds=secs, corpus=src.label, corpus_sha256=src.sha256, ctx=ctx, batch=plan.n_batch, threads=runner.threads,
+            model=resolved.label,
+            path=str(resolved.path),
+            ppl=ppl,
+            ppl_err=err,
+            n_chunks=plan.n_chunk,
+            n_tokens_scored=count,
+            n_tokens_evaluated=evaluated,
+            tokens_per_second=evaluated / secs if secs > 0 else 0.0,
+            seconds=secs,
+            corpus=src.label,
+            corpus_sha256=src.sha256,
+            ctx=ctx,
+            batch=plan.n_batch,
+            threads=runner.threads,
         )
 
 
-__all__ = [
-    "PerplexityResult", "perplexity", "LogitsRunner", "ChunkPlan", "plan_chunks",
-    "score", "LogSoftmax", "ppl_with_error",
-]
+__all__ = ["PerplexityResult", "perplexity", "LogitsRunner", "ChunkPlan", "plan_chunks", "score", "LogSoftmax", "ppl_with_error"]

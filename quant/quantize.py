@@ -36,31 +36,19 @@ import os
 import queue
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 from edgellm.engine.memory import available_ram, default_threads
 from edgellm.errors import Cancelled, GGUFError, QuantizeError, UsageError
-from edgellm.fsutil import (
-    check_free_disk,
-    fsync_path,
-    human_size,
-    partial_path,
-    sha256_file,
-    sync_soon,
-)
+from edgellm.fsutil import check_free_disk, fsync_path, human_size, partial_path, sha256_file, sync_soon
 from edgellm.gguf.reader import GGUFInfo, read_gguf
 from edgellm.models.resolve import Resolved
 from edgellm.models.store import ModelRecord, Store
-from edgellm.progress import (
-    CancelToken,
-    Progress,
-    ProgressCallback,
-    RateMeter,
-    no_progress,
-)
+from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
 from quant._common import (
     BaseInput,
     OutputPlan,
@@ -72,15 +60,7 @@ from quant._common import (
     result_json,
 )
 from quant._workers import Job, Run, Worker, llama_failure, parse_log
-from quant.levels import (
-    QK_K,
-    Level,
-    check_levels,
-    estimate_size,
-    is_quantized,
-    parse_level,
-    type_bpw,
-)
+from quant.levels import QK_K, Level, check_levels, estimate_size, is_quantized, parse_level, type_bpw
 
 if TYPE_CHECKING:  # annotations only: quant.imatrix loads numpy and the engine, which a plain level never needs
     from quant.imatrix import ImatrixChoice
@@ -192,9 +172,21 @@ def quantize(
     try:
         for n in _split(nthread, n_slots):
             workers.append(Worker.get(events, n))
-        return _quantize_all(model_ref_or_path, wanted, workers, events, output=output, nthread=nthread,
-                             allow_requantize=allow_requantize, force=force, imatrix=imatrix, store=store,
-                             on_progress=on_progress, cancel=cancel, overrides=overrides)
+        return _quantize_all(
+            model_ref_or_path,
+            wanted,
+            workers,
+            events,
+            output=output,
+            nthread=nthread,
+            allow_requantize=allow_requantize,
+            force=force,
+            imatrix=imatrix,
+            store=store,
+            on_progress=on_progress,
+            cancel=cancel,
+            overrides=overrides,
+        )
     finally:
         for w in workers:
             w.close()
@@ -211,7 +203,7 @@ def _split(nthread: int, n: int) -> list[int]:
 def _quantize_all(
     model_ref_or_path: str | Path | BaseInput,
     wanted: list[Level],
-    workers: list["Worker"],
+    workers: list[Worker],
     events: queue.Queue,
     *,
     output: Optional[Path | str],
@@ -233,20 +225,27 @@ def _quantize_all(
     if imatrix is not None:
         from quant.imatrix import choose_imatrix
 
-        choice = imatrix if not isinstance(imatrix, str) else choose_imatrix(
-            imatrix, resolved, store=store, on_progress=on_progress, cancel=cancel)
+        choice = (
+            imatrix
+            if not isinstance(imatrix, str)
+            else choose_imatrix(imatrix, resolved, store=store, on_progress=on_progress, cancel=cancel)
+        )
 
     if output is not None and len(wanted) > 1:
         out = Path(output).expanduser()
         if not out.is_dir():
             raise UsageError(f"-o {output}: with several levels, -o must be an existing folder")
     suffix = "-imat" if choice is not None else ""
-    plans = [plan_output(resolved, info, overrides.label if overrides else lv.key + suffix, output=output, name=None,
-                         force=force, store=store) for lv in wanted]
+    plans = [
+        plan_output(
+            resolved, info, overrides.label if overrides else lv.key + suffix, output=output, name=None, force=force, store=store
+        )
+        for lv in wanted
+    ]
     if len({p.path for p in plans}) != len(plans):
         raise UsageError("two levels would write the same file; give -o a folder")
     need: dict[Path, int] = {}
-    for lv, plan in zip(wanted, plans):
+    for lv, plan in zip(wanted, plans, strict=False):
         check_writable(plan.path.parent)
         need[plan.path.parent] = need.get(plan.path.parent, 0) + estimate_size(info, lv)
     for folder, n in need.items():
@@ -261,9 +260,21 @@ def _quantize_all(
         workers[0].threads = nthread
     if cancel is not None:
         cancel.check()
-    return _run_levels(resolved, info, list(zip(wanted, plans)), workers, events, nthread=nthread,
-                       allow_requantize=allow_requantize, warnings=warnings, store=store, on_progress=on_progress,
-                       cancel=cancel, imatrix=choice, overrides=overrides)
+    return _run_levels(
+        resolved,
+        info,
+        list(zip(wanted, plans, strict=False)),
+        workers,
+        events,
+        nthread=nthread,
+        allow_requantize=allow_requantize,
+        warnings=warnings,
+        store=store,
+        on_progress=on_progress,
+        cancel=cancel,
+        imatrix=choice,
+        overrides=overrides,
+    )
 
 
 def _fits_side_by_side(info: GGUFInfo, n: int) -> bool:
@@ -289,7 +300,7 @@ def _run_levels(
     resolved: Resolved,
     info: GGUFInfo,
     todo: list[tuple[Level, OutputPlan]],
-    workers: list["Worker"],
+    workers: list[Worker],
     events: queue.Queue,
     *,
     nthread: int,
@@ -317,8 +328,13 @@ def _run_levels(
         index = pending.popleft()
         lv, plan = todo[index]
         job = Job(index, lv, plan, partial_path(plan.path), worker.threads, time.perf_counter())
-        spec = {"input": str(resolved.path), "output": str(job.tmp), "ftype": lv.ftype,
-                "nthread": worker.threads, "allow_requantize": allow_requantize}
+        spec = {
+            "input": str(resolved.path),
+            "output": str(job.tmp),
+            "ftype": lv.ftype,
+            "nthread": worker.threads,
+            "allow_requantize": allow_requantize,
+        }
         if imatrix is not None:
             spec.update(imatrix=str(imatrix.path), imatrix_label=str(imatrix.path))
         if overrides is not None and overrides.pairs:
@@ -370,8 +386,17 @@ def _run_levels(
                     raise llama_failure(job, worker, resolved.label)
                 del active[worker]
                 finishing[job.index] = finisher.submit(
-                    _finish, job, resolved=resolved, info=info, nthread=nthread, warnings=warnings, store=store,
-                    cancel=cancel, imatrix=imatrix, recipe=overrides.lineage if overrides else None)
+                    _finish,
+                    job,
+                    resolved=resolved,
+                    info=info,
+                    nthread=nthread,
+                    warnings=warnings,
+                    store=store,
+                    cancel=cancel,
+                    imatrix=imatrix,
+                    recipe=overrides.lineage if overrides else None,
+                )
                 if pending:
                     start(worker)
                 report(f"{job.level.key}: written")
@@ -450,12 +475,26 @@ def _finish(
         extra["recipe"] = recipe
     rec = register_output(store, plan, out, sha, resolved=resolved, source="quantize", extra=extra)
     return QuantizeResult(
-        name=rec.name, level=out.level, path=plan.path, size_bytes=out.size_bytes, bpw=out.bpw,
-        tensor_types=out.tensor_types, fallback_tensors=n_fallback, tensor_count=out.tensor_count,
-        seconds=time.perf_counter() - job.t0, quantize_seconds=run.seconds, fallbacks=dict(fallback_types),
-        fallback_reason=_fallback_reason(run, n_fallback, out.tensor_count, lv), input_level=info.level,
-        parent=rec.parent, sha256=sha, threads=job.threads, warnings=list(warnings), record=rec,
-        imatrix=extra.get("imatrix"), recipe=extra.get("recipe"),
+        name=rec.name,
+        level=out.level,
+        path=plan.path,
+        size_bytes=out.size_bytes,
+        bpw=out.bpw,
+        tensor_types=out.tensor_types,
+        fallback_tensors=n_fallback,
+        tensor_count=out.tensor_count,
+        seconds=time.perf_counter() - job.t0,
+        quantize_seconds=run.seconds,
+        fallbacks=dict(fallback_types),
+        fallback_reason=_fallback_reason(run, n_fallback, out.tensor_count, lv),
+        input_level=info.level,
+        parent=rec.parent,
+        sha256=sha,
+        threads=job.threads,
+        warnings=list(warnings),
+        record=rec,
+        imatrix=extra.get("imatrix"),
+        recipe=extra.get("recipe"),
     )
 
 
@@ -484,8 +523,10 @@ def describe(result: QuantizeResult) -> str:
     ]
     if result.imatrix:
         im = result.imatrix
-        lines.append(f"  imatrix: {im.get('name') or im['file']} ({im.get('text') or ', '.join(im['datasets'])}, "
-                     f"{im['chunks']} chunks x {im['chunk_size']})")
+        lines.append(
+            f"  imatrix: {im.get('name') or im['file']} ({im.get('text') or ', '.join(im['datasets'])}, "
+            f"{im['chunks']} chunks x {im['chunk_size']})"
+        )
     if result.fallback_tensors:
         lines.append(f"  fallback: {result.fallback_reason}")
     return "\n".join(lines)

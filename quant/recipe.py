@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 from edgellm.errors import QuantizeError, UsageError
 from edgellm.gguf.layout import model_matmul_widths
@@ -30,8 +31,18 @@ if TYPE_CHECKING:  # annotations only: quant.imatrix loads numpy, which applying
 FILE_TYPE = "q4_k_m"  # the file type llama.cpp records; every quantized tensor is overridden anyway
 # ggml_type ids of the pinned ggml.h, and their block widths
 TYPES: dict[str, tuple[int, int]] = {
-    "Q2_K": (10, 256), "Q3_K": (11, 256), "IQ4_XS": (23, 256), "Q4_K": (12, 256), "Q5_K": (13, 256), "Q6_K": (14, 256),
-    "Q4_0": (2, 32), "Q4_1": (3, 32), "Q5_0": (6, 32), "Q5_1": (7, 32), "IQ4_NL": (20, 32), "Q8_0": (8, 32),
+    "Q2_K": (10, 256),
+    "Q3_K": (11, 256),
+    "IQ4_XS": (23, 256),
+    "Q4_K": (12, 256),
+    "Q5_K": (13, 256),
+    "Q6_K": (14, 256),
+    "Q4_0": (2, 32),
+    "Q4_1": (3, 32),
+    "Q5_0": (6, 32),
+    "Q5_1": (7, 32),
+    "IQ4_NL": (20, 32),
+    "Q8_0": (8, 32),
 }
 
 
@@ -84,8 +95,10 @@ def check_recipe(recipe: Recipe, model_path: Path, info: Any, label: str) -> Non
     """A recipe applies to a model of its architecture whose every matrix it names exists and fits the type."""
 
     if recipe.architecture != info.architecture:
-        raise QuantizeError(f"the recipe {Path(recipe.file).name} is for {recipe.architecture} models; "
-                            f"{label} is {info.architecture or 'unknown'}")
+        raise QuantizeError(
+            f"the recipe {Path(recipe.file).name} is for {recipe.architecture} models; "
+            f"{label} is {info.architecture or 'unknown'}"
+        )
     _arch, widths = model_matmul_widths(model_path)
     for pattern, tname in recipe.tensor_types:
         if tname not in TYPES:
@@ -100,8 +113,9 @@ def check_recipe(recipe: Recipe, model_path: Path, info: Any, label: str) -> Non
                 raise QuantizeError(f"the recipe's pattern {pattern} is not a regular expression ({e})") from None
             hit = [n for n in widths if rx.search(n)]
         if not hit:
-            raise QuantizeError(f"the recipe's pattern {pattern} matches no tensor of {label}: it was made for "
-                                "another model layout")
+            raise QuantizeError(
+                f"the recipe's pattern {pattern} matches no tensor of {label}: it was made for another model layout"
+            )
         bad = [n for n in hit if widths[n][0] % TYPES[tname][1]]
         if bad:
             raise QuantizeError(f"the recipe puts {bad[0]} ({widths[bad[0]][0]} wide) in {tname}, whose blocks do not fit")
@@ -128,8 +142,10 @@ def resolve_base(model: str | Path | BaseInput, store: Store) -> BaseInput:
     """The model, resolved and parsed once; refuses a quantized one (recipes and budgets start from F16/BF16/F32)."""
     src = open_input(model, store)
     if is_quantized(src.info):
-        raise QuantizeError(f"--budget and --recipe start from an F16/BF16/F32 file; {src.label} is {src.info.level} "
-                            f"(`edgellm convert {src.label} --to f16` first)")
+        raise QuantizeError(
+            f"--budget and --recipe start from an F16/BF16/F32 file; {src.label} is {src.info.level} "
+            f"(`edgellm convert {src.label} --to f16` first)"
+        )
     return src
 
 
@@ -159,7 +175,16 @@ def apply_recipe(
         from quant.imatrix import choose_imatrix  # only with a matrix: it loads the calibration machinery
 
         choice = choose_imatrix(imatrix, src.resolved, store=store, on_progress=on_progress, cancel=cancel)
-    res = quantize(src, [FILE_TYPE], output=output, threads=threads, force=force, imatrix=choice,
-                   overrides=TensorOverrides(recipe.overrides(), lineage, label), store=store,
-                   on_progress=on_progress, cancel=cancel)[0]
+    res = quantize(
+        src,
+        [FILE_TYPE],
+        output=output,
+        threads=threads,
+        force=force,
+        imatrix=choice,
+        overrides=TensorOverrides(recipe.overrides(), lineage, label),
+        store=store,
+        on_progress=on_progress,
+        cancel=cancel,
+    )[0]
     return res, recipe

@@ -17,7 +17,6 @@ from edgellm.errors import EvalError, GGUFError, InsufficientResources, UsageErr
 from edgellm.fsutil import human_size
 from edgellm.gguf.reader import read_gguf
 from edgellm.profile.results import load_bench_results
-
 from quant.evaluate import EvalReport, LevelEval, load_eval_results
 
 log = logging.getLogger(__name__)
@@ -54,10 +53,15 @@ class Recommendation:
     budget_hint: Optional[dict[str, Any]] = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"ram_bytes": self.ram_bytes, "ctx": self.ctx, "best": self.best.to_json(),
-                "runner_up": self.runner_up.to_json() if self.runner_up else None,
-                "considered": [c.to_json() for c in self.considered], "reason": self.reason,
-                "budget_hint": self.budget_hint}
+        return {
+            "ram_bytes": self.ram_bytes,
+            "ctx": self.ctx,
+            "best": self.best.to_json(),
+            "runner_up": self.runner_up.to_json() if self.runner_up else None,
+            "considered": [c.to_json() for c in self.considered],
+            "reason": self.reason,
+            "budget_hint": self.budget_hint,
+        }
 
 
 def need_bytes(report: EvalReport, lv: LevelEval, ctx: int) -> int:
@@ -112,28 +116,48 @@ def recommend(ram_bytes: Optional[int] = None, ctx: Optional[int] = None) -> Rec
     cands: list[tuple[int, Candidate]] = []
     for r, lv in chosen.values():
         need = need_bytes(r, lv, n_ctx)
-        cands.append((r.parameters, Candidate(
-            base=r.base, level=lv.level, name=lv.name, size_bytes=lv.size_bytes, need_bytes=need, kld_mean=lv.kld_mean,
-            dppl_pct=lv.dppl_pct, same_top_p=lv.same_top_p, eval_tokens_per_second=lv.tokens_per_second,
-            gen_tokens_per_second=speeds.get(lv.name), corpus=f"{r.corpus}, ctx {r.ctx}, {r.chunks} chunks", fits=need <= ram)))
+        cands.append(
+            (
+                r.parameters,
+                Candidate(
+                    base=r.base,
+                    level=lv.level,
+                    name=lv.name,
+                    size_bytes=lv.size_bytes,
+                    need_bytes=need,
+                    kld_mean=lv.kld_mean,
+                    dppl_pct=lv.dppl_pct,
+                    same_top_p=lv.same_top_p,
+                    eval_tokens_per_second=lv.tokens_per_second,
+                    gen_tokens_per_second=speeds.get(lv.name),
+                    corpus=f"{r.corpus}, ctx {r.ctx}, {r.chunks} chunks",
+                    fits=need <= ram,
+                ),
+            )
+        )
     fitting = sorted((c for c in cands if c[1].fits), key=lambda pc: (-pc[0], pc[1].kld_mean))
     considered = [c for _, c in sorted(cands, key=lambda pc: (-pc[0], pc[1].kld_mean))]
     if not fitting:
         smallest = min((c for _, c in cands), key=lambda c: c.need_bytes)
         raise InsufficientResources(
             f"no evaluated level fits in {human_size(ram)} at ctx {n_ctx}: the smallest, {smallest.name}, "
-            f"needs {human_size(smallest.need_bytes)} (weights + KV cache + compute + process)")
+            f"needs {human_size(smallest.need_bytes)} (weights + KV cache + compute + process)"
+        )
     best = fitting[0][1]
     runner = fitting[1][1] if len(fitting) > 1 else None
-    reason = (f"{best.level} is the lowest-loss level of {best.base} that fits: mean KLD {best.kld_mean:.4f}, "
-              f"ΔPPL {best.dppl_pct:+.2f}%, needs {human_size(best.need_bytes)} of {human_size(ram)} at ctx {n_ctx}")
+    reason = (
+        f"{best.level} is the lowest-loss level of {best.base} that fits: mean KLD {best.kld_mean:.4f}, "
+        f"ΔPPL {best.dppl_pct:+.2f}%, needs {human_size(best.need_bytes)} of {human_size(ram)} at ctx {n_ctx}"
+    )
     hint = budget_hint(chosen, best, ram, n_ctx, ram_given=ram_bytes is not None)
-    return Recommendation(ram_bytes=ram, ctx=n_ctx, best=best, runner_up=runner, considered=considered, reason=reason,
-                          budget_hint=hint)
+    return Recommendation(
+        ram_bytes=ram, ctx=n_ctx, best=best, runner_up=runner, considered=considered, reason=reason, budget_hint=hint
+    )
 
 
-def budget_hint(chosen: dict[tuple[str, str], tuple[EvalReport, LevelEval]], best: Candidate, ram: int, ctx: int, *,
-                ram_given: bool) -> Optional[dict[str, Any]]:
+def budget_hint(
+    chosen: dict[tuple[str, str], tuple[EvalReport, LevelEval]], best: Candidate, ram: int, ctx: int, *, ram_given: bool
+) -> Optional[dict[str, Any]]:
     """Propose `quantize BASE --budget` when the machine holds a file at least 5% bigger than every
     stored level of the best's base and the float base itself does not fit: a recipe searched for
     that size spends the spare bytes where they lower the loss most (quant/budget.py)."""
@@ -152,6 +176,10 @@ def budget_hint(chosen: dict[tuple[str, str], tuple[EvalReport, LevelEval]], bes
     if room < 1.05 * largest:
         return None
     size = "ram" if not ram_given else str(room)
-    return {"command": f"edgellm quantize {r.base} --budget {size}", "budget_bytes": room, "largest_stored_bytes": largest,
-            "reason": f"this machine holds {human_size(room)} of weights at ctx {ctx}, more than {r.base}'s largest "
-                      f"stored level ({human_size(largest)}): a --budget recipe of that size should beat them"}
+    return {
+        "command": f"edgellm quantize {r.base} --budget {size}",
+        "budget_bytes": room,
+        "largest_stored_bytes": largest,
+        "reason": f"this machine holds {human_size(room)} of weights at ctx {ctx}, more than {r.base}'s largest "
+        f"stored level ({human_size(largest)}): a --budget recipe of that size should beat them",
+    }

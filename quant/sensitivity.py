@@ -42,10 +42,11 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol
 
 import numpy as np
 
@@ -102,8 +103,15 @@ class ProbeResult:
 
 
 def cache_key(model_sha256: str, imatrix_sha256: str) -> dict[str, Any]:
-    return {"model": model_sha256, "imatrix": imatrix_sha256, "ctx": PROBE_CTX, "chunks": PROBE_CHUNKS,
-            "first": PROBE_FIRST, "buckets": DEPTH_BUCKETS, "version": VERSION}
+    return {
+        "model": model_sha256,
+        "imatrix": imatrix_sha256,
+        "ctx": PROBE_CTX,
+        "chunks": PROBE_CHUNKS,
+        "first": PROBE_FIRST,
+        "buckets": DEPTH_BUCKETS,
+        "version": VERSION,
+    }
 
 
 def _root() -> Path:
@@ -130,8 +138,10 @@ def save_results(key: dict[str, Any], results: dict[tuple[str, str], ProbeResult
     for (g, t), r in sorted(results.items()):
         probes.setdefault(g, {})[t] = asdict(r)
     text = calibration_text()
-    atomic_write_text(_cache_file(key), json.dumps({"key": key, "text": text.label, "text_sha256": text.sha256,
-                                                    "probes": probes}, indent=1) + "\n")
+    atomic_write_text(
+        _cache_file(key),
+        json.dumps({"key": key, "text": text.label, "text_sha256": text.sha256, "probes": probes}, indent=1) + "\n",
+    )
 
 
 class _ProbeModel(LogitsRunner):
@@ -201,8 +211,15 @@ class Prober:
     """Measures (group, type) probes on one loaded copy of the base; the model loads at the first probe,
     so a search whose probes are all cached loads nothing."""
 
-    def __init__(self, model_path: Path, tensors: dict[str, TensorInfo], imatrix: dict[str, np.ndarray], *,
-                 threads: Optional[int], cancel: Optional[CancelToken]) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        tensors: dict[str, TensorInfo],
+        imatrix: dict[str, np.ndarray],
+        *,
+        threads: Optional[int],
+        cancel: Optional[CancelToken],
+    ) -> None:
         self.model_path, self.tensors, self.imatrix = model_path, tensors, imatrix
         self.threads = threads or default_threads()  # as quantize and eval choose them
         self.cancel = cancel
@@ -224,8 +241,13 @@ class Prober:
             raise QuantizeError(f"the calibration text is too short for the sensitivity probes ({len(self.tokens)} tokens)")
         per = self.plan.n_scored_per_chunk
         base = BaseLogProbs(self.plan.n_chunk * per, self.model.n_vocab)
-        score(self.model, self.tokens, self.plan, cancel=self.cancel,
-              on_chunk=lambda i, lg, tg, nll, sm: base.add_chunk(i * per, lg, tg, nll, sm, seed=i))
+        score(
+            self.model,
+            self.tokens,
+            self.plan,
+            cancel=self.cancel,
+            on_chunk=lambda i, lg, tg, nll, sm: base.add_chunk(i * per, lg, tg, nll, sm, seed=i),
+        )
         self.base = base
         self.seconds += time.perf_counter() - t0
         return self.model
@@ -243,8 +265,13 @@ class Prober:
                 self._write(n, type_id)
             acc = KLDAccumulator(self.base)  # type: ignore[arg-type]
             per = self.plan.n_scored_per_chunk
-            score(m, self.tokens, self.plan, cancel=self.cancel,
-                  on_chunk=lambda i, lg, tg, nll, sm: acc.add_chunk(i * per, lg, nll, sm))
+            score(
+                m,
+                self.tokens,
+                self.plan,
+                cancel=self.cancel,
+                on_chunk=lambda i, lg, tg, nll, sm: acc.add_chunk(i * per, lg, nll, sm),
+            )
             res = acc.result()
         finally:
             for n in names:
@@ -262,7 +289,7 @@ class Prober:
         if n != t.shape[0] * t.shape[1] or t.n_bytes != n * np.dtype(dtype).itemsize:
             raise QuantizeError(f"the loaded {name} is not the file's tensor; cannot probe it")
         live = np.ctypeslib.as_array((ctypes.c_uint8 * t.n_bytes).from_address(addr)).view(dtype).reshape(rows, cols)
-        src = np.frombuffer(self.raw[t.data_offset:t.data_offset + t.n_bytes], dtype).reshape(rows, cols)
+        src = np.frombuffer(self.raw[t.data_offset : t.data_offset + t.n_bytes], dtype).reshape(rows, cols)
         return src, live
 
     def _write(self, name: str, type_id: int) -> None:
@@ -271,9 +298,9 @@ class Prober:
         cols = src.shape[1]
 
         def step(r0: int) -> None:
-            rows = np.ascontiguousarray(src[r0:r0 + _ROWS_PER_STEP], np.float32)
+            rows = np.ascontiguousarray(src[r0 : r0 + _ROWS_PER_STEP], np.float32)
             q = g.quantize(type_id, rows, imp)
-            live[r0:r0 + len(rows)] = g.to_float(type_id, q, (len(rows), cols))
+            live[r0 : r0 + len(rows)] = g.to_float(type_id, q, (len(rows), cols))
 
         list(self._pool.map(step, range(0, src.shape[0], _ROWS_PER_STEP)))
 
@@ -288,9 +315,15 @@ class Prober:
             self.model = None
 
 
-def run_probes(prober: Prober, want: Sequence[tuple[str, str, list[str], float]], type_ids: dict[str, int],
-               results: dict[tuple[str, str], ProbeResult], *, on_progress: Optional[ProgressCallback] = None,
-               cancel: Optional[CancelToken] = None) -> None:
+def run_probes(
+    prober: Prober,
+    want: Sequence[tuple[str, str, list[str], float]],
+    type_ids: dict[str, int],
+    results: dict[tuple[str, str], ProbeResult],
+    *,
+    on_progress: Optional[ProgressCallback] = None,
+    cancel: Optional[CancelToken] = None,
+) -> None:
     """Measure each (group, type, matrices, proxy error) of `want` into `results`."""
     task = "measure sensitivity on the calibration text"
     for i, (g, t, names, err) in enumerate(want):
@@ -300,8 +333,9 @@ def run_probes(prober: Prober, want: Sequence[tuple[str, str, list[str], float]]
             cancel.check()
         t0 = time.perf_counter()
         kld, kld_err = prober.measure(names, type_ids[t])
-        results[(g, t)] = ProbeResult(kld=kld, kld_err=kld_err, error=err, matrices=len(names),
-                                      seconds=round(time.perf_counter() - t0, 3))
+        results[(g, t)] = ProbeResult(
+            kld=kld, kld_err=kld_err, error=err, matrices=len(names), seconds=round(time.perf_counter() - t0, 3)
+        )
     if on_progress is not None and want:
         on_progress(Progress(task, len(want), len(want), "probe", message="done"))
 

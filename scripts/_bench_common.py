@@ -93,12 +93,20 @@ class Sampler:
         return {"peak_anon": self.anon, "peak_file": self.file, "peak_rss": self.rss, "extra_disk": self.disk}
 
 
-def measured(cmd: list, *, dirs: list[Path] = (), env: dict | None = None, timeout: float = 14400,
-             cwd: Path | None = None) -> dict:
+def measured(
+    cmd: list, *, dirs: list[Path] = (), env: dict | None = None, timeout: float = 14400, cwd: Path | None = None
+) -> dict:
     """Run `cmd` to the end; its rc, stdout, stderr, wall seconds and the Sampler's peaks."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=cwd, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+    )
     s = Sampler(proc.pid, dirs)
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -79,8 +79,24 @@ def rendered_prompt(path: Path) -> tuple[str, int]:
 
 
 def run_edgellm(path: Path, tokens: int, threads: int, ctx: int) -> dict:
-    cmd = [sys.executable, "-m", "edgellm.cli", "chat", str(path), "-p", PROMPT, "--temperature", "0", "--max-tokens",
-           str(tokens), "--threads", str(threads), "--ctx", str(ctx), "--no-history"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "edgellm.cli",
+        "chat",
+        str(path),
+        "-p",
+        PROMPT,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(tokens),
+        "--threads",
+        str(threads),
+        "--ctx",
+        str(ctx),
+        "--no-history",
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     m = re.search(r"\[(\d+) tokens, ([\d.]+) tokens/s; prompt (\d+) tokens", p.stderr)
     if p.returncode != 0 or not m:
@@ -88,13 +104,37 @@ def run_edgellm(path: Path, tokens: int, threads: int, ctx: int) -> dict:
     n, tps = int(m.group(1)), float(m.group(2))
     # chat prints n tokens over the time from the first to the last; that time holds n-1 decodes, as
     # llama-completion's eval time does, so count n-1 here too (a 1/n handicap, not a gift).
-    return {"generated": n, "chat_tokens_per_second": tps, "tokens_per_second": tps * (n - 1) / n if n > 1 else tps,
-            "prompt_tokens": int(m.group(3)), "text": p.stdout.rstrip("\n")}
+    return {
+        "generated": n,
+        "chat_tokens_per_second": tps,
+        "tokens_per_second": tps * (n - 1) / n if n > 1 else tps,
+        "prompt_tokens": int(m.group(3)),
+        "text": p.stdout.rstrip("\n"),
+    }
 
 
 def run_completion(exe: Path, path: Path, prompt_text: str, tokens: int, threads: int, ctx: int) -> dict:
-    cmd = [str(exe), "-m", str(path), "-p", prompt_text, "-n", str(tokens), "--temp", "0", "-t", str(threads),
-           "-tb", str(threads), "-c", str(ctx), "--no-display-prompt", "-no-cnv", "-fa", "off"]  # edgellm runs without flash attention
+    cmd = [
+        str(exe),
+        "-m",
+        str(path),
+        "-p",
+        prompt_text,
+        "-n",
+        str(tokens),
+        "--temp",
+        "0",
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-c",
+        str(ctx),
+        "--no-display-prompt",
+        "-no-cnv",
+        "-fa",
+        "off",
+    ]  # edgellm runs without flash attention
     p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     err = p.stderr
     ev = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", err)
@@ -103,8 +143,12 @@ def run_completion(exe: Path, path: Path, prompt_text: str, tokens: int, threads
     if p.returncode != 0 or not ev or not sm:
         sys.exit(f"error: llama-completion failed ({p.returncode}): {err.strip()[-800:]}")
     eval_ms, n_eval, sample_ms = float(ev.group(1)), int(ev.group(2)), float(sm.group(1))
-    return {"generated": n_eval + 1, "tokens_per_second": n_eval / ((eval_ms + sample_ms) / 1000.0),
-            "prompt_tokens": int(pr.group(2)) if pr else None, "text": p.stdout.strip()}
+    return {
+        "generated": n_eval + 1,
+        "tokens_per_second": n_eval / ((eval_ms + sample_ms) / 1000.0),
+        "prompt_tokens": int(pr.group(2)) if pr else None,
+        "text": p.stdout.strip(),
+    }
 
 
 def bench(path: Path, exe: Path, a) -> dict:
@@ -119,19 +163,26 @@ def bench(path: Path, exe: Path, a) -> dict:
             else:
                 got["llama"] = run_completion(exe, path, prompt_text, a.tokens, a.threads, a.ctx)
         pairs.append(got)
-        print(f"  {path.name} run {i + 1}: edgellm chat {got['edgellm']['tokens_per_second']:.1f} tok/s "
-              f"({got['edgellm']['generated']} tokens), llama-completion {got['llama']['tokens_per_second']:.1f} tok/s "
-              f"({got['llama']['generated']} tokens)", file=sys.stderr)
+        print(
+            f"  {path.name} run {i + 1}: edgellm chat {got['edgellm']['tokens_per_second']:.1f} tok/s "
+            f"({got['edgellm']['generated']} tokens), llama-completion {got['llama']['tokens_per_second']:.1f} tok/s "
+            f"({got['llama']['generated']} tokens)",
+            file=sys.stderr,
+        )
     e0, l0 = pairs[0]["edgellm"], pairs[0]["llama"]
     ratios = [p["edgellm"]["tokens_per_second"] / p["llama"]["tokens_per_second"] for p in pairs]
     return {
-        "model": path.name, "prompt_tokens": n_prompt, "llama_prompt_tokens": l0["prompt_tokens"],
+        "model": path.name,
+        "prompt_tokens": n_prompt,
+        "llama_prompt_tokens": l0["prompt_tokens"],
         "edgellm_prompt_tokens": e0["prompt_tokens"],
         "same_text": l0["text"].strip() == e0["text"].strip(),
-        "edgellm_generated": e0["generated"], "llama_generated": l0["generated"],
+        "edgellm_generated": e0["generated"],
+        "llama_generated": l0["generated"],
         "edgellm_tokens_per_second": [p["edgellm"]["tokens_per_second"] for p in pairs],
         "llama_tokens_per_second": [round(p["llama"]["tokens_per_second"], 2) for p in pairs],
-        "ratios": [round(r, 3) for r in ratios], "median_ratio": round(statistics.median(ratios), 3),
+        "ratios": [round(r, 3) for r in ratios],
+        "median_ratio": round(statistics.median(ratios), 3),
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
 
@@ -160,11 +211,13 @@ def main() -> int:
         return 0
     print(f"greedy, {a.tokens} tokens, {a.threads} threads, ctx {a.ctx}, {a.reps} alternating runs")
     for r in results:
-        print(f"{r['model']}: edgellm chat median {statistics.median(r['edgellm_tokens_per_second']):.1f} tok/s, "
-              f"llama-completion median {statistics.median(r['llama_tokens_per_second']):.1f} tok/s, "
-              f"median ratio {r['median_ratio']:.3f}x (runs {', '.join(f'{x:.2f}' for x in r['ratios'])}); "
-              f"prompt {r['edgellm_prompt_tokens']} vs {r['llama_prompt_tokens']} tokens, same text: {r['same_text']}; "
-              f"load {r['load_average_1m']}")
+        print(
+            f"{r['model']}: edgellm chat median {statistics.median(r['edgellm_tokens_per_second']):.1f} tok/s, "
+            f"llama-completion median {statistics.median(r['llama_tokens_per_second']):.1f} tok/s, "
+            f"median ratio {r['median_ratio']:.3f}x (runs {', '.join(f'{x:.2f}' for x in r['ratios'])}); "
+            f"prompt {r['edgellm_prompt_tokens']} vs {r['llama_prompt_tokens']} tokens, same text: {r['same_text']}; "
+            f"load {r['load_average_1m']}"
+        )
     return 0
 
 

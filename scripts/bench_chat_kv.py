@@ -48,8 +48,13 @@ def play(rt: Runtime, *, reuse: bool, history_tokens: int, reply_tokens: int) ->
         wall = time.perf_counter() - t0
         st = s.last_stats
         n_p_eval, _ = rt.perf_counters()
-        return {"turn_seconds": wall, "ttft_seconds": st.ttft_seconds, "prompt_tokens": st.prompt_tokens,
-                "evaluated_prompt_tokens": n_p_eval, "generated_tokens": st.generated_tokens}
+        return {
+            "turn_seconds": wall,
+            "ttft_seconds": st.ttft_seconds,
+            "prompt_tokens": st.prompt_tokens,
+            "evaluated_prompt_tokens": n_p_eval,
+            "generated_tokens": st.generated_tokens,
+        }
     finally:
         s.close()
 
@@ -75,8 +80,11 @@ def main() -> int:
         rt.close()
     med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]} for k, v in runs.items()}
     result = {
-        "model": a.model, "threads": rt.n_threads, "reps": a.reps,
-        "reuse": med["reuse"], "full": med["full"],
+        "model": a.model,
+        "threads": rt.n_threads,
+        "reps": a.reps,
+        "reuse": med["reuse"],
+        "full": med["full"],
         "turn_ratio": med["full"]["turn_seconds"] / med["reuse"]["turn_seconds"],
         "ttft_ratio": med["full"]["ttft_seconds"] / med["reuse"]["ttft_seconds"],
     }
@@ -85,8 +93,10 @@ def main() -> int:
         return 0
     for k, label in (("reuse", "KV reuse"), ("full", "re-evaluate history")):
         m = med[k]
-        print(f"{label:20s} turn 3: {m['turn_seconds']:.3f} s (first token {m['ttft_seconds']:.3f} s), "
-              f"{m['evaluated_prompt_tokens']:.0f} of {m['prompt_tokens']:.0f} prompt tokens evaluated, {m['generated_tokens']:.0f} generated")
+        print(
+            f"{label:20s} turn 3: {m['turn_seconds']:.3f} s (first token {m['ttft_seconds']:.3f} s), "
+            f"{m['evaluated_prompt_tokens']:.0f} of {m['prompt_tokens']:.0f} prompt tokens evaluated, {m['generated_tokens']:.0f} generated"
+        )
     print(f"ratio (re-evaluate / reuse): turn {result['turn_ratio']:.2f}x, first token {result['ttft_ratio']:.2f}x")
     return 0
 

@@ -74,7 +74,12 @@ def main() -> None:
     q, _ = edgellm("quantize", base["name"], "-l", ",".join(LEVELS), "--json", "--no-progress", env=env)
     paths = {r["level"]: r["path"] for r in json.loads(q.stdout)}
 
-    result: dict = {"chunks": a.chunks, "ctx": a.ctx, "threads": threads, "machine": f"{cpu_model()}, {os.cpu_count()} logical CPUs, {platform.system()}"}
+    result: dict = {
+        "chunks": a.chunks,
+        "ctx": a.ctx,
+        "threads": threads,
+        "machine": f"{cpu_model()}, {os.cpu_count()} logical CPUs, {platform.system()}",
+    }
     if not a.skip_timing:
         # Alternate the two tools; each one's best round counts (the machine may be shared).
         t_ll, t_ed = [], []
@@ -82,17 +87,55 @@ def main() -> None:
             p, dt = sh([tool, "-m", base["path"], *common], env)
             t_ll.append(dt)
             ll_ppl = float(re.search(r"Final estimate: PPL = ([\d.]+)", p.stdout + p.stderr).group(1))
-            p2, dt2 = edgellm("ppl", base["name"], "--text", a.text, "--ctx", a.ctx, "--chunks", a.chunks, "--threads", threads, "--json", "--no-progress", env=env)
+            p2, dt2 = edgellm(
+                "ppl",
+                base["name"],
+                "--text",
+                a.text,
+                "--ctx",
+                a.ctx,
+                "--chunks",
+                a.chunks,
+                "--threads",
+                threads,
+                "--json",
+                "--no-progress",
+                env=env,
+            )
             t_ed.append(dt2)
             ed = json.loads(p2.stdout)
-        result["ppl"] = {"llama": ll_ppl, "edgellm": ed["ppl"], "edgellm_err": ed["ppl_err"], "rel_diff": ed["ppl"] / ll_ppl - 1,
-                         "llama_seconds": min(t_ll), "edgellm_seconds": min(t_ed), "wall_ratio": min(t_ed) / min(t_ll)}
+        result["ppl"] = {
+            "llama": ll_ppl,
+            "edgellm": ed["ppl"],
+            "edgellm_err": ed["ppl_err"],
+            "rel_diff": ed["ppl"] / ll_ppl - 1,
+            "llama_seconds": min(t_ll),
+            "edgellm_seconds": min(t_ed),
+            "wall_ratio": min(t_ed) / min(t_ll),
+        }
         print(json.dumps(result["ppl"], indent=1), flush=True)
 
     plot = a.out / "quality-smollm2-135m.png"
     t0 = time.perf_counter()
-    ev, _ = edgellm("eval", base["name"], "--levels", ",".join(LEVELS), "--text", a.text, "--ctx", a.ctx, "--chunks", a.chunks,
-                    "--threads", threads, "--plot", plot, "--json", "--no-progress", env=env)
+    ev, _ = edgellm(
+        "eval",
+        base["name"],
+        "--levels",
+        ",".join(LEVELS),
+        "--text",
+        a.text,
+        "--ctx",
+        a.ctx,
+        "--chunks",
+        a.chunks,
+        "--threads",
+        threads,
+        "--plot",
+        plot,
+        "--json",
+        "--no-progress",
+        env=env,
+    )
     rep = json.loads(ev.stdout)
     result["edgellm_eval_seconds"] = time.perf_counter() - t0
     kld_file = scratch / "base.kld"
@@ -103,9 +146,11 @@ def main() -> None:
     for lv in LEVELS:
         p, _ = sh([tool, "-m", paths[lv], *common, "--kl-divergence-base", str(kld_file), "--kl-divergence"], env)
         t = p.stdout + p.stderr
-        ref[lv] = {"ppl": float(re.search(r"Mean PPL\(Q\)\s+:\s+([\d.]+)", t).group(1)),
-                   "kld": float(re.search(r"Mean\s+KLD:\s+([\d.]+)", t).group(1)),
-                   "same_top_p": float(re.search(r"Same top p:\s+([\d.]+)", t).group(1))}
+        ref[lv] = {
+            "ppl": float(re.search(r"Mean PPL\(Q\)\s+:\s+([\d.]+)", t).group(1)),
+            "kld": float(re.search(r"Mean\s+KLD:\s+([\d.]+)", t).group(1)),
+            "same_top_p": float(re.search(r"Same top p:\s+([\d.]+)", t).group(1)),
+        }
     result["llama_kld_seconds"] = time.perf_counter() - t0
     result["llama_kld_file_bytes"] = kld_file.stat().st_size
     kld_file.unlink()
@@ -116,28 +161,56 @@ def main() -> None:
     by = {lv["level"]: lv for lv in rep["levels"]}
     for lv in LEVELS:
         e, r = by[lv], ref[lv]
-        rows.append({"level": lv, "size_bytes": e["size_bytes"], "bpw": e["bpw"], "ppl": e["ppl"], "ppl_err": e["ppl_err"],
-                     "dppl_pct": e["dppl_pct"], "kld_mean": e["kld_mean"], "kld_err": e["kld_err"], "kld_median": e["kld_median"],
-                     "kld_p99": e["kld_p99"], "kld_max": e["kld_max"], "same_top_p": e["same_top_p"], "rms_dp": e["rms_dp"],
-                     "tokens_per_second": e["tokens_per_second"], "llama": r,
-                     "ppl_rel_diff": e["ppl"] / r["ppl"] - 1, "kld_rel_diff": e["kld_mean"] / r["kld"] - 1,
-                     "top_rel_diff": e["same_top_p"] / r["same_top_p"] - 1})
-    result.update(base=rep["base"], base_ppl=rep["base_ppl"], base_ppl_err=rep["base_ppl_err"], levels=rows, warnings=rep["warnings"])
+        rows.append(
+            {
+                "level": lv,
+                "size_bytes": e["size_bytes"],
+                "bpw": e["bpw"],
+                "ppl": e["ppl"],
+                "ppl_err": e["ppl_err"],
+                "dppl_pct": e["dppl_pct"],
+                "kld_mean": e["kld_mean"],
+                "kld_err": e["kld_err"],
+                "kld_median": e["kld_median"],
+                "kld_p99": e["kld_p99"],
+                "kld_max": e["kld_max"],
+                "same_top_p": e["same_top_p"],
+                "rms_dp": e["rms_dp"],
+                "tokens_per_second": e["tokens_per_second"],
+                "llama": r,
+                "ppl_rel_diff": e["ppl"] / r["ppl"] - 1,
+                "kld_rel_diff": e["kld_mean"] / r["kld"] - 1,
+                "top_rel_diff": e["same_top_p"] / r["same_top_p"] - 1,
+            }
+        )
+    result.update(
+        base=rep["base"], base_ppl=rep["base_ppl"], base_ppl_err=rep["base_ppl_err"], levels=rows, warnings=rep["warnings"]
+    )
     out_json = a.out / "bench_eval.json"
     out_json.write_text(json.dumps(result, indent=1) + "\n")
 
-    print(f"\nbase {rep['base']}: PPL {rep['base_ppl']:.4f} ± {rep['base_ppl_err']:.4f} (llama-perplexity {result['llama_base_ppl']:.4f})")
-    print("| level | size | bpw | PPL | ΔPPL | mean KLD | median | 99% | max | same top | RMS Δp | llama KLD | llama top | ΔKLD | Δtop |")
+    print(
+        f"\nbase {rep['base']}: PPL {rep['base_ppl']:.4f} ± {rep['base_ppl_err']:.4f} (llama-perplexity {result['llama_base_ppl']:.4f})"
+    )
+    print(
+        "| level | size | bpw | PPL | ΔPPL | mean KLD | median | 99% | max | same top | RMS Δp | llama KLD | llama top | ΔKLD | Δtop |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['level']} | {r['size_bytes'] / 2**20:.1f} MiB | {r['bpw']:.2f} | {r['ppl']:.4f} ± {r['ppl_err']:.4f} | {r['dppl_pct']:+.2f}% "
-              f"| {r['kld_mean']:.5f} ± {r['kld_err']:.5f} | {r['kld_median']:.5f} | {r['kld_p99']:.4f} | {r['kld_max']:.4f} "
-              f"| {r['same_top_p']:.2f}% | {r['rms_dp']:.2f}% | {r['llama']['kld']:.6f} | {r['llama']['same_top_p']:.3f}% "
-              f"| {100 * r['kld_rel_diff']:+.2f}% | {100 * r['top_rel_diff']:+.3f}% |")
+        print(
+            f"| {r['level']} | {r['size_bytes'] / 2**20:.1f} MiB | {r['bpw']:.2f} | {r['ppl']:.4f} ± {r['ppl_err']:.4f} | {r['dppl_pct']:+.2f}% "
+            f"| {r['kld_mean']:.5f} ± {r['kld_err']:.5f} | {r['kld_median']:.5f} | {r['kld_p99']:.4f} | {r['kld_max']:.4f} "
+            f"| {r['same_top_p']:.2f}% | {r['rms_dp']:.2f}% | {r['llama']['kld']:.6f} | {r['llama']['same_top_p']:.3f}% "
+            f"| {100 * r['kld_rel_diff']:+.2f}% | {100 * r['top_rel_diff']:+.3f}% |"
+        )
     if "ppl" in result:
-        print(f"\nppl wall time: edgellm {result['ppl']['edgellm_seconds']:.1f} s, llama-perplexity {result['ppl']['llama_seconds']:.1f} s, "
-              f"ratio {result['ppl']['wall_ratio']:.3f} (goal <= 1.10)")
-    print(f"KLD base data: llama.cpp {result['llama_kld_file_bytes'] / 2**20:.0f} MiB, edgellm {(result['edgellm_logprobs_bytes'] or 0) / 2**20:.1f} MiB")
+        print(
+            f"\nppl wall time: edgellm {result['ppl']['edgellm_seconds']:.1f} s, llama-perplexity {result['ppl']['llama_seconds']:.1f} s, "
+            f"ratio {result['ppl']['wall_ratio']:.3f} (goal <= 1.10)"
+        )
+    print(
+        f"KLD base data: llama.cpp {result['llama_kld_file_bytes'] / 2**20:.0f} MiB, edgellm {(result['edgellm_logprobs_bytes'] or 0) / 2**20:.1f} MiB"
+    )
     print(f"written: {out_json}, {plot}")
 
 

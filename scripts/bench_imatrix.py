@@ -87,8 +87,23 @@ def tools_dir() -> Path:
 
 
 def kld(env: dict, base: str, names: list[str], args) -> dict[str, dict]:
-    rep = edgellm(env, "eval", base, "--levels", ",".join(names), "--corpus", "wikitext-2", "--ctx", "512",
-                  "--chunks", str(args.chunks), "--threads", str(args.threads), "--json", "--no-progress")
+    rep = edgellm(
+        env,
+        "eval",
+        base,
+        "--levels",
+        ",".join(names),
+        "--corpus",
+        "wikitext-2",
+        "--ctx",
+        "512",
+        "--chunks",
+        str(args.chunks),
+        "--threads",
+        str(args.threads),
+        "--json",
+        "--no-progress",
+    )
     return {lv["name"]: lv for lv in rep["levels"]}
 
 
@@ -102,25 +117,44 @@ def recipe_speed(env: dict, base: str, f16_path: str, recipe: str, tools: Path, 
     t = str(args.threads)
     mine_s, ref_s, mine_call, mine_job, ref_call = [], [], [], [], []
     for i in range(args.runs):
-        for which in ([0, 1] if i % 2 == 0 else [1, 0]):
+        for which in [0, 1] if i % 2 == 0 else [1, 0]:
             t0 = time.perf_counter()
             if which == 0:
-                r = edgellm(env, "quantize", base, "--recipe", recipe, "--threads", t, "--force", "--no-progress",
-                            "--json")[0]
+                r = edgellm(env, "quantize", base, "--recipe", recipe, "--threads", t, "--force", "--no-progress", "--json")[0]
                 mine_s.append(time.perf_counter() - t0)
                 mine_call.append(r["quantize_seconds"])
                 mine_job.append(r["seconds"])
             else:
-                out = sh([tools / "llama-quantize", "--tensor-type-file", Path(recipe).with_suffix(".txt"), f16_path,
-                          work / "ref-recipe.gguf", "Q4_K_M", t], env, stderr=True)
+                out = sh(
+                    [
+                        tools / "llama-quantize",
+                        "--tensor-type-file",
+                        Path(recipe).with_suffix(".txt"),
+                        f16_path,
+                        work / "ref-recipe.gguf",
+                        "Q4_K_M",
+                        t,
+                    ],
+                    env,
+                    stderr=True,
+                )
                 ref_s.append(time.perf_counter() - t0)
                 m = re.search(r"quantize time =\s*([0-9.]+) ms", out)
                 ref_call.append(float(m.group(1)) / 1000 if m else float("nan"))
     med = statistics.median
-    return {"edgellm_s": med(mine_s), "llama_quantize_s": med(ref_s), "ratio": med(mine_s) / med(ref_s),
-            "call_ratio": med(mine_call) / med(ref_call), "job_ratio": med(mine_job) / med(ref_s),
-            "edgellm_call_s": med(mine_call), "edgellm_job_s": med(mine_job), "llama_quantize_call_s": med(ref_call),
-            "runs": args.runs, "edgellm_runs_s": mine_s, "llama_quantize_runs_s": ref_s}
+    return {
+        "edgellm_s": med(mine_s),
+        "llama_quantize_s": med(ref_s),
+        "ratio": med(mine_s) / med(ref_s),
+        "call_ratio": med(mine_call) / med(ref_call),
+        "job_ratio": med(mine_job) / med(ref_s),
+        "edgellm_call_s": med(mine_call),
+        "edgellm_job_s": med(mine_job),
+        "llama_quantize_call_s": med(ref_call),
+        "runs": args.runs,
+        "edgellm_runs_s": mine_s,
+        "llama_quantize_runs_s": ref_s,
+    }
 
 
 def _tree_bytes(root: Path) -> int:
@@ -140,8 +174,7 @@ def gridless_figures(env: dict, q4_1_path: str, factor: int, tools: Path, work: 
 
     t = str(args.threads)
     gl = work / f"gridless-x{factor}-f16.gguf"
-    sh([sys.executable, ROOT / "scripts" / "make_wide_model.py", q4_1_path, "--factor", str(factor), "--dither",
-        "-o", gl], env)
+    sh([sys.executable, ROOT / "scripts" / "make_wide_model.py", q4_1_path, "--factor", str(factor), "--dither", "-o", gl], env)
     name = f"gl{factor}-f16"
     edgellm(env, "import", str(gl), "--name", name, "--link")
     im = edgellm(env, "imatrix", name, "--threads", t, "--json", "--no-progress")["file"]
@@ -169,24 +202,33 @@ def gridless_figures(env: dict, q4_1_path: str, factor: int, tools: Path, work: 
 
         th = threading.Thread(target=sample, daemon=True)
         th.start()
-        r = edgellm(env, "quantize", name, "--budget", str(size), "--imatrix", im, "--threads", t, "--json",
-                    "--no-progress", "--force")[0]
+        r = edgellm(
+            env, "quantize", name, "--budget", str(size), "--imatrix", im, "--threads", t, "--json", "--no-progress", "--force"
+        )[0]
         stop.set()
         th.join()
         extra = max(0, peak[0] - before - r["size_bytes"])
-        fig["levels"][lv].update(budget_name=r["name"], budget_size_bytes=r["size_bytes"],
-                                 search_seconds=r["search_seconds"], quantize_seconds=r["quantize_seconds"],
-                                 extra_disk_bytes=extra, tensor_types=r["tensor_types"])
+        fig["levels"][lv].update(
+            budget_name=r["name"],
+            budget_size_bytes=r["size_bytes"],
+            search_seconds=r["search_seconds"],
+            quantize_seconds=r["quantize_seconds"],
+            extra_disk_bytes=extra,
+            tensor_types=r["tensor_types"],
+        )
         k = kld(env, name, [r["name"], refs[lv]], args)
         row = fig["levels"][lv]
         row.update(budget_kld=k[r["name"]]["kld_mean"], imatrix_kld=k[refs[lv]]["kld_mean"])
         row["ratio"] = row["budget_kld"] / row["imatrix_kld"]
         row["search_vs_q4_k_m_quantize"] = row["search_seconds"] / fig["levels"]["q4_k_m"]["llama_quantize_s"]
         row["extra_disk_vs_q8_0"] = extra / fig["q8_0_bytes"]
-        print(f"x{factor} {lv}: budget {r['size_bytes']} B KLD {row['budget_kld']:.5f} vs imatrix {size} B "
-              f"{row['imatrix_kld']:.5f} ({row['ratio']:.3f}x); search {row['search_seconds']:.0f} s "
-              f"({row['search_vs_q4_k_m_quantize']:.1f}x llama-quantize Q4_K_M); extra disk "
-              f"{row['extra_disk_vs_q8_0']:.3f}x Q8_0", flush=True)
+        print(
+            f"x{factor} {lv}: budget {r['size_bytes']} B KLD {row['budget_kld']:.5f} vs imatrix {size} B "
+            f"{row['imatrix_kld']:.5f} ({row['ratio']:.3f}x); search {row['search_seconds']:.0f} s "
+            f"({row['search_vs_q4_k_m_quantize']:.1f}x llama-quantize Q4_K_M); extra disk "
+            f"{row['extra_disk_vs_q8_0']:.3f}x Q8_0",
+            flush=True,
+        )
     return fig
 
 
@@ -197,10 +239,19 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--runs", type=int, default=3, help="timed runs for the --recipe speed ratio")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here too")
-    ap.add_argument("--gridless", type=int, action="append", default=[], metavar="F",
-                    help="only part 6, on the dithered default model widened F times (repeatable: --gridless 1 --gridless 4)")
-    ap.add_argument("--only-speed", action="store_true",
-                    help="only part 5 (its recipe from one --budget search at Q4_K_M's size): minutes, not an hour")
+    ap.add_argument(
+        "--gridless",
+        type=int,
+        action="append",
+        default=[],
+        metavar="F",
+        help="only part 6, on the dithered default model widened F times (repeatable: --gridless 1 --gridless 4)",
+    )
+    ap.add_argument(
+        "--only-speed",
+        action="store_true",
+        help="only part 5 (its recipe from one --budget search at Q4_K_M's size): minutes, not an hour",
+    )
     args = ap.parse_args()
     tools = tools_dir()
     work = Path(tempfile.mkdtemp(prefix="bench-imatrix-"))
@@ -220,8 +271,19 @@ def main() -> int:
         return 0
     if args.only_speed:
         size = edgellm(env, "quantize", base, "-l", "q4_k_m", "--threads", t, "--json", "--no-progress")[0]["size_bytes"]
-        r = edgellm(env, "quantize", base, "--budget", str(size), "--exclude-types", "q4_1,q5_1", "--threads", t, "--json",
-                    "--no-progress")[0]
+        r = edgellm(
+            env,
+            "quantize",
+            base,
+            "--budget",
+            str(size),
+            "--exclude-types",
+            "q4_1,q5_1",
+            "--threads",
+            t,
+            "--json",
+            "--no-progress",
+        )[0]
         fig["recipe_speed"] = recipe_speed(env, base, f16_path, r["recipe_file"], tools, work, args)
         print(json.dumps(fig, indent=1, default=str))
         if args.json:
@@ -238,23 +300,57 @@ def main() -> int:
 
     ref_path = work / "llama-imatrix.gguf"
     t0 = time.perf_counter()
-    sh([tools / "llama-imatrix", "-m", f16_path, "-f", calibration_path(), "-c", "512", "-t", t, "--no-ppl",
-        "-o", ref_path, *(["--chunks", str(args.imatrix_chunks)] if args.imatrix_chunks else [])], env)
+    sh(
+        [
+            tools / "llama-imatrix",
+            "-m",
+            f16_path,
+            "-f",
+            calibration_path(),
+            "-c",
+            "512",
+            "-t",
+            t,
+            "--no-ppl",
+            "-o",
+            ref_path,
+            *(["--chunks", str(args.imatrix_chunks)] if args.imatrix_chunks else []),
+        ],
+        env,
+    )
     fig["llama_imatrix_seconds"] = time.perf_counter() - t0
     a, b = read_imatrix(mine["file"]), read_imatrix(ref_path)
     assert sorted(a.entries) == sorted(b.entries)
-    fig["imatrix_max_rel_diff"] = max(float(abs(a.entries[n].sums - e.sums).max() / abs(e.sums).max())
-                                      for n, e in b.entries.items())
+    fig["imatrix_max_rel_diff"] = max(
+        float(abs(a.entries[n].sums - e.sums).max() / abs(e.sums).max()) for n, e in b.entries.items()
+    )
     fig["imatrix_counts_equal"] = all((a.entries[n].counts == e.counts).all() for n, e in b.entries.items())
     fig["imatrix_chunks"] = b.chunk_count
     imat = mine["file"]
 
     # 2 + 3. stock vs imatrix levels; identity with llama-quantize --imatrix
     levels = sorted(set(IMATRIX_LEVELS + BUDGET_LEVELS))
-    stock = {r["level"]: r for r in edgellm(env, "quantize", base, *sum((["-l", lv] for lv in levels), []),
-                                            "--threads", t, "--json", "--no-progress")}
-    withm = {r["level"]: r for r in edgellm(env, "quantize", base, *sum((["-l", lv] for lv in levels), []),
-                                            "--imatrix", imat, "--threads", t, "--json", "--no-progress")}
+    stock = {
+        r["level"]: r
+        for r in edgellm(
+            env, "quantize", base, *sum((["-l", lv] for lv in levels), []), "--threads", t, "--json", "--no-progress"
+        )
+    }
+    withm = {
+        r["level"]: r
+        for r in edgellm(
+            env,
+            "quantize",
+            base,
+            *sum((["-l", lv] for lv in levels), []),
+            "--imatrix",
+            imat,
+            "--threads",
+            t,
+            "--json",
+            "--no-progress",
+        )
+    }
     fig["identical_to_llama_quantize"] = {}
     for lv in levels:
         ref = work / f"ref-{lv}.gguf"
@@ -266,20 +362,48 @@ def main() -> int:
     for lv in BUDGET_LEVELS:
         size = stock[lv]["size_bytes"]
         for excl in ("", "q4_1,q5_1"):  # q5_1's grid holds q4_1's: both go for the fair figure
-            r = edgellm(env, "quantize", base, "--budget", str(size), "--imatrix", imat, "--threads", t, "--json",
-                        "--no-progress", "--force", *(["--exclude-types", excl] if excl else []))[0]
+            r = edgellm(
+                env,
+                "quantize",
+                base,
+                "--budget",
+                str(size),
+                "--imatrix",
+                imat,
+                "--threads",
+                t,
+                "--json",
+                "--no-progress",
+                "--force",
+                *(["--exclude-types", excl] if excl else []),
+            )[0]
             # the two runs share a name (budget-<bytes>): keep the first under another name by evaluating it now
-            budgets[(lv, excl)] = {"name": r["name"], "size_bytes": r["size_bytes"], "search_seconds": r["search_seconds"],
-                                   "quantize_seconds": r["quantize_seconds"], "recipe_file": r["recipe_file"],
-                                   "kld": kld(env, base, [r["name"]], args)[r["name"]]["kld_mean"]}
-            print(f"grid base {lv} {excl or 'all types'}: {r['size_bytes']} B KLD {budgets[(lv, excl)]['kld']:.5f}",
-                  flush=True)
+            budgets[(lv, excl)] = {
+                "name": r["name"],
+                "size_bytes": r["size_bytes"],
+                "search_seconds": r["search_seconds"],
+                "quantize_seconds": r["quantize_seconds"],
+                "recipe_file": r["recipe_file"],
+                "kld": kld(env, base, [r["name"]], args)[r["name"]]["kld_mean"],
+            }
+            print(f"grid base {lv} {excl or 'all types'}: {r['size_bytes']} B KLD {budgets[(lv, excl)]['kld']:.5f}", flush=True)
     names = [stock[lv]["name"] for lv in levels] + [withm[lv]["name"] for lv in levels]
     k = kld(env, base, names, args)
-    fig["kld"] = {lv: {"stock": k[stock[lv]["name"]]["kld_mean"], "imatrix": k[withm[lv]["name"]]["kld_mean"],
-                       "size_stock": stock[lv]["size_bytes"]} for lv in levels}
-    fig["budget"] = {f"{lv}{'-no-' + excl.replace(',', '-') if excl else ''}": {**v, "ratio_vs_imatrix_level": v["kld"] / fig["kld"][lv]["imatrix"]}
-                     for (lv, excl), v in budgets.items()}
+    fig["kld"] = {
+        lv: {
+            "stock": k[stock[lv]["name"]]["kld_mean"],
+            "imatrix": k[withm[lv]["name"]]["kld_mean"],
+            "size_stock": stock[lv]["size_bytes"],
+        }
+        for lv in levels
+    }
+    fig["budget"] = {
+        f"{lv}{'-no-' + excl.replace(',', '-') if excl else ''}": {
+            **v,
+            "ratio_vs_imatrix_level": v["kld"] / fig["kld"][lv]["imatrix"],
+        }
+        for (lv, excl), v in budgets.items()
+    }
 
     # 5. --recipe speed vs llama-quantize --tensor-type-file (same types, same threads, no imatrix on either side)
     fig["recipe_speed"] = recipe_speed(env, base, f16_path, budgets[("q4_k_m", "q4_1,q5_1")]["recipe_file"], tools, work, args)

@@ -34,8 +34,23 @@ GOAL = 0.98
 
 
 def bench_rows(py: Path, model: Path, args) -> dict[str, float]:
-    cmd = [str(py), "-m", "edgellm.cli", "bench", str(model), "--pp", str(args.pp), "--tg", str(args.tg),
-           "-r", str(args.repetitions), "--threads", str(args.threads), "--json", "--no-progress"]
+    cmd = [
+        str(py),
+        "-m",
+        "edgellm.cli",
+        "bench",
+        str(model),
+        "--pp",
+        str(args.pp),
+        "--tg",
+        str(args.tg),
+        "-r",
+        str(args.repetitions),
+        "--threads",
+        str(args.threads),
+        "--json",
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         sys.exit(f"error: {' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
@@ -62,11 +77,15 @@ def main() -> int:
     venvs = {"host": args.host_venv / "bin" / "python", "portable": args.portable_venv / "bin" / "python"}
     for name, py in venvs.items():
         if not py.exists():
-            sys.exit(f"error: no {name} venv at {py.parent.parent} (scripts/setup.sh{' --portable --venv ' + str(args.portable_venv) if name == 'portable' else ''})")
+            sys.exit(
+                f"error: no {name} venv at {py.parent.parent} (scripts/setup.sh{' --portable --venv ' + str(args.portable_venv) if name == 'portable' else ''})"
+            )
     doc = subprocess.run([str(venvs["portable"]), "-m", "edgellm.cli", "doctor", "--json"], capture_output=True, text=True)
     cb = (json.loads(doc.stdout) if doc.stdout.strip().startswith("{") else {}).get("cpu_backend") or {}
     if not cb:
-        sys.exit(f"error: {args.portable_venv} does not run a portable build (no cpu_backend in doctor): {doc.stderr.strip()[-300:]}")
+        sys.exit(
+            f"error: {args.portable_venv} does not run a portable build (no cpu_backend in doctor): {doc.stderr.strip()[-300:]}"
+        )
     src = default_source()
     levels = [lv.strip().lower() for lv in args.levels.split(",") if lv.strip()]
     files = [quantized(src, lv) for lv in levels]
@@ -93,19 +112,42 @@ def main() -> int:
         ratio = statistics.median(per_round)
         ma, mb = statistics.mean(a), statistics.mean(b)
         sa, sb = (statistics.stdev(a) if len(a) > 1 else 0.0), (statistics.stdev(b) if len(b) > 1 else 0.0)
-        results.append({"model": m, "test": t, "host_ts": ma, "portable_ts": mb, "ratio_of_means": mb / ma, "ratio": ratio,
-                        "per_round_ratio": per_round})
+        results.append(
+            {
+                "model": m,
+                "test": t,
+                "host_ts": ma,
+                "portable_ts": mb,
+                "ratio_of_means": mb / ma,
+                "ratio": ratio,
+                "per_round_ratio": per_round,
+            }
+        )
         flag = "" if ratio >= GOAL else "  < goal"
-        print(f"{m:44} {t:6} {ma:9.2f} ± {sa:5.2f} {mb:9.2f} ± {sb:5.2f} {mb / ma:8.3f}x {ratio:12.3f}x{flag}"
-              f"   rounds: {' '.join(f'{r:.2f}' for r in per_round)}")
+        print(
+            f"{m:44} {t:6} {ma:9.2f} ± {sa:5.2f} {mb:9.2f} ± {sb:5.2f} {mb / ma:8.3f}x {ratio:12.3f}x{flag}"
+            f"   rounds: {' '.join(f'{r:.2f}' for r in per_round)}"
+        )
     print()
     print(f"threads {args.threads}, {args.rounds} rounds x {args.repetitions} repetitions per call, venvs alternating first")
     print(f"load average before/after: {load0[0]:.1f} / {load1[0]:.1f} on {os.cpu_count()} CPUs")
     worst = min((r["ratio"] for r in results), default=0.0)
     print(f"worst median paired ratio portable/host {worst:.3f}x (goal >= {GOAL}x)")
     if args.json:
-        args.json.write_text(json.dumps({"variant": cb, "results": results, "threads": args.threads, "rounds": args.rounds,
-                                         "repetitions": args.repetitions, "load": [load0, load1]}, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "variant": cb,
+                    "results": results,
+                    "threads": args.threads,
+                    "rounds": args.rounds,
+                    "repetitions": args.repetitions,
+                    "load": [load0, load1],
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0 if worst >= GOAL else 1
 
 

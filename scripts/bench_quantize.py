@@ -105,8 +105,22 @@ def main() -> int:
         return time.perf_counter() - t0
 
     def run_cli(lv, out: Path) -> float:
-        cmd = [sys.executable, "-m", "edgellm.cli", "quantize", str(src), "-l", lv.key, "-o", str(out),
-               "--threads", str(threads), "--force", "--json", "--no-progress"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "edgellm.cli",
+            "quantize",
+            str(src),
+            "-l",
+            lv.key,
+            "-o",
+            str(out),
+            "--threads",
+            str(threads),
+            "--force",
+            "--json",
+            "--no-progress",
+        ]
         t0 = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         dt = time.perf_counter() - t0
@@ -119,8 +133,21 @@ def main() -> int:
 
     def run_cli_all(folder: Path) -> tuple[float, dict[str, Path]]:
         folder.mkdir(exist_ok=True)
-        cmd = [sys.executable, "-m", "edgellm.cli", "quantize", str(src), *[a for lv in levels for a in ("-l", lv.key)],
-               "-o", str(folder), "--threads", str(threads), "--force", "--json", "--no-progress"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "edgellm.cli",
+            "quantize",
+            str(src),
+            *[a for lv in levels for a in ("-l", lv.key)],
+            "-o",
+            str(folder),
+            "--threads",
+            str(threads),
+            "--force",
+            "--json",
+            "--no-progress",
+        ]
         t0 = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         dt = time.perf_counter() - t0
@@ -133,7 +160,7 @@ def main() -> int:
     all_times: dict[str, list[float]] = {"llama-quantize": [], "cli": []}
     cli_files: dict[str, Path] = {}
     for i in range(args.runs):
-        for key in (("llama-quantize", "cli") if i % 2 == 0 else ("cli", "llama-quantize")):
+        for key in ("llama-quantize", "cli") if i % 2 == 0 else ("cli", "llama-quantize"):
             if key == "cli":
                 dt, cli_files = run_cli_all(scratch / "all")
             else:
@@ -141,10 +168,13 @@ def main() -> int:
             all_times[key].append(dt)
     all_med = {k: statistics.median(v) for k, v in all_times.items()}
     all_same = {lv.key: _identical(cli_files[lv.key], refs[lv.key]) for lv in levels}
-    print(f"{len(levels)} levels  llama-quantize one after another {all_med['llama-quantize']:6.2f} s   "
-          f"one edgellm CLI call {all_med['cli']:6.2f} s (x{all_med['cli'] / all_med['llama-quantize']:.3f}, goal <= 1.03)   "
-          f"runs: {' '.join(f'{x:.2f}' for x in all_times['llama-quantize'])} vs {' '.join(f'{x:.2f}' for x in all_times['cli'])}   "
-          f"outputs identical: {', '.join(f'{k} {v}' for k, v in all_same.items())}", flush=True)
+    print(
+        f"{len(levels)} levels  llama-quantize one after another {all_med['llama-quantize']:6.2f} s   "
+        f"one edgellm CLI call {all_med['cli']:6.2f} s (x{all_med['cli'] / all_med['llama-quantize']:.3f}, goal <= 1.03)   "
+        f"runs: {' '.join(f'{x:.2f}' for x in all_times['llama-quantize'])} vs {' '.join(f'{x:.2f}' for x in all_times['cli'])}   "
+        f"outputs identical: {', '.join(f'{k} {v}' for k, v in all_same.items())}",
+        flush=True,
+    )
 
     rows = []
     for lv in levels:
@@ -159,24 +189,50 @@ def main() -> int:
         med = {k: statistics.median(v) for k, v in times.items()}
         a, c = _identical(api_out, ref), _identical(cli_out, ref)
         identical = "DIFFERENT" if "DIFFERENT" in (a, c) else ("tensors" if "tensors" in (a, c) else "bytes")
-        rows.append({"level": lv.key, "median_s": med, "runs_s": times, "ratio_api": med["api"] / med["llama-quantize"],
-                     "ratio_cli": med["cli"] / med["llama-quantize"], "ratio_core": med["core"] / med["llama-quantize"],
-                     "identical": identical,
-                     "size_bytes": ref.stat().st_size})
-        print(f"{lv.key:8} llama-quantize {med['llama-quantize']:6.2f} s   llama_model_quantize call {med['core']:6.2f} s "
-              f"(x{rows[-1]['ratio_core']:.3f})   edgellm API {med['api']:6.2f} s "
-              f"(x{rows[-1]['ratio_api']:.3f})   edgellm CLI {med['cli']:6.2f} s (x{rows[-1]['ratio_cli']:.3f})   "
-              f"output identical: {identical}", flush=True)
+        rows.append(
+            {
+                "level": lv.key,
+                "median_s": med,
+                "runs_s": times,
+                "ratio_api": med["api"] / med["llama-quantize"],
+                "ratio_cli": med["cli"] / med["llama-quantize"],
+                "ratio_core": med["core"] / med["llama-quantize"],
+                "identical": identical,
+                "size_bytes": ref.stat().st_size,
+            }
+        )
+        print(
+            f"{lv.key:8} llama-quantize {med['llama-quantize']:6.2f} s   llama_model_quantize call {med['core']:6.2f} s "
+            f"(x{rows[-1]['ratio_core']:.3f})   edgellm API {med['api']:6.2f} s "
+            f"(x{rows[-1]['ratio_api']:.3f})   edgellm CLI {med['cli']:6.2f} s (x{rows[-1]['ratio_cli']:.3f})   "
+            f"output identical: {identical}",
+            flush=True,
+        )
 
     tot = {k: sum(r["median_s"][k] for r in rows) for k in ("llama-quantize", "core", "api", "cli")}
-    print(f"{'all':8} llama-quantize {tot['llama-quantize']:6.2f} s   llama_model_quantize call {tot['core']:6.2f} s "
-          f"(x{tot['core'] / tot['llama-quantize']:.3f})   edgellm API {tot['api']:6.2f} s "
-          f"(x{tot['api'] / tot['llama-quantize']:.3f})   edgellm CLI {tot['cli']:6.2f} s (x{tot['cli'] / tot['llama-quantize']:.3f})   goal <= 1.03")
+    print(
+        f"{'all':8} llama-quantize {tot['llama-quantize']:6.2f} s   llama_model_quantize call {tot['core']:6.2f} s "
+        f"(x{tot['core'] / tot['llama-quantize']:.3f})   edgellm API {tot['api']:6.2f} s "
+        f"(x{tot['api'] / tot['llama-quantize']:.3f})   edgellm CLI {tot['cli']:6.2f} s (x{tot['cli'] / tot['llama-quantize']:.3f})   goal <= 1.03"
+    )
     if args.json:
-        print(json.dumps({"threads": threads, "runs": args.runs, "input": str(src), "levels": rows,
-                          "all_levels": {"runs_s": all_times, "median_s": all_med,
-                                         "ratio_cli": all_med["cli"] / all_med["llama-quantize"],
-                                         "identical": all_same}}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "threads": threads,
+                    "runs": args.runs,
+                    "input": str(src),
+                    "levels": rows,
+                    "all_levels": {
+                        "runs_s": all_times,
+                        "median_s": all_med,
+                        "ratio_cli": all_med["cli"] / all_med["llama-quantize"],
+                        "identical": all_same,
+                    },
+                },
+                indent=1,
+            )
+        )
     import shutil
 
     shutil.rmtree(scratch, ignore_errors=True)

@@ -50,28 +50,57 @@ def main() -> int:
     try:
         for _ in range(2):
             port = free_port()
-            p = subprocess.Popen(EDGELLM + ["worker", "--port", str(port), "--threads", str(a.threads)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+            p = subprocess.Popen(
+                EDGELLM + ["worker", "--port", str(port), "--threads", str(a.threads)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                cwd=ROOT,
+            )
             line = p.stdout.readline()
             if "listening" not in line:
                 print(f"error: worker on {port} did not start: {line.strip()}", file=sys.stderr)
                 return 1
             workers.append((p, f"127.0.0.1:{port}"))
         rpc = ",".join(addr for _, addr in workers)
-        cmd = EDGELLM + ["bench", a.model, "--rpc", rpc, "--pp", str(a.pp), "--tg", str(a.tg), "-r", str(a.repetitions),
-                         "--threads", str(a.threads), "--compare-llama-bench", "--json", "--no-progress"]
+        cmd = EDGELLM + [
+            "bench",
+            a.model,
+            "--rpc",
+            rpc,
+            "--pp",
+            str(a.pp),
+            "--tg",
+            str(a.tg),
+            "-r",
+            str(a.repetitions),
+            "--threads",
+            str(a.threads),
+            "--compare-llama-bench",
+            "--json",
+            "--no-progress",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if proc.returncode != 0:
             print(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "edgellm bench failed", file=sys.stderr)
             return 1
         out = json.loads(proc.stdout)
-        print(f"load before the run {load:.2f}; plan: " + ", ".join(
-            f"{d['device']} {d['n_layers']} layers" + (" + output" if d["output_layer"] else "") for d in out["rpc_plan"]["devices"]))
-        print(f"{'test':<8} {'split t/s':>10} {'local t/s':>10} {'split/local':>12} {'llama-bench --rpc':>18} {'edgellm/llama-bench':>20}")
+        print(
+            f"load before the run {load:.2f}; plan: "
+            + ", ".join(
+                f"{d['device']} {d['n_layers']} layers" + (" + output" if d["output_layer"] else "")
+                for d in out["rpc_plan"]["devices"]
+            )
+        )
+        print(
+            f"{'test':<8} {'split t/s':>10} {'local t/s':>10} {'split/local':>12} {'llama-bench --rpc':>18} {'edgellm/llama-bench':>20}"
+        )
         for r in out["rows"]:
             lb = f"{r['llama_bench_rpc_ts']:.2f}" if r["llama_bench_rpc_ts"] else "-"
             ratio = f"{r['ratio']:.3f}x" if r["ratio"] else "-"
-            print(f"{r['test']:<8} {r['rpc_ts']:>10.2f} {r['local_ts']:>10.2f} {r['rpc_ts'] / r['local_ts']:>11.3f}x {lb:>18} {ratio:>20}")
+            print(
+                f"{r['test']:<8} {r['rpc_ts']:>10.2f} {r['local_ts']:>10.2f} {r['rpc_ts'] / r['local_ts']:>11.3f}x {lb:>18} {ratio:>20}"
+            )
         return 0
     finally:
         for p, _ in workers:

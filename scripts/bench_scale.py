@@ -79,7 +79,9 @@ class Bench:
         # every child (and the servers load_test_server starts, which inherit os.environ) uses this store
         os.environ.update(EDGELLM_HOME=str(self.home), TMPDIR=str(self.tmp))
         self.tools = tools_dir()
-        self.wiki = Path(os.environ.get("EDGELLM_CORPUS_DIR", ROOT.parent / "shared" / "data")) / "wikitext-2-raw" / "wiki.test.raw"
+        self.wiki = (
+            Path(os.environ.get("EDGELLM_CORPUS_DIR", ROOT.parent / "shared" / "data")) / "wikitext-2-raw" / "wiki.test.raw"
+        )
         self.rows: list[dict] = []
         self.params: dict[int, int] = {}
         self.base: dict = {}  # F=1's PPL and replies, the function check's reference
@@ -103,7 +105,7 @@ class Bench:
         """Medians of `runs` interleaved runs of each, the order alternating so drift hits both alike."""
         a, b = [], []
         for i in range(runs):
-            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+            for which in (0, 1) if i % 2 == 0 else (1, 0):
                 (a if which == 0 else b).append(mine() if which == 0 else ref())
         return median_of(a) | {"runs": runs}, median_of(b) | {"runs": runs}
 
@@ -136,8 +138,20 @@ class Bench:
                 return "x1-f16"
             self.model(1)
             base = self.cache / "x1-f16.gguf"
-            r = measured([sys.executable, ROOT / "scripts" / "make_wide_model.py", base, "--factor", f, "-o", path,
-                          "--no-check", "--threads", self.t])
+            r = measured(
+                [
+                    sys.executable,
+                    ROOT / "scripts" / "make_wide_model.py",
+                    base,
+                    "--factor",
+                    f,
+                    "-o",
+                    path,
+                    "--no-check",
+                    "--threads",
+                    self.t,
+                ]
+            )
             if r["rc"] != 0:
                 raise JobError(f"make_wide_model x{f}: {r['stderr'].strip()[-400:]}")
         name = f"x{f}-f16"
@@ -161,8 +175,13 @@ class Bench:
         return self.edgellm("inspect", name, "--json")["json"]
 
     def save(self) -> None:
-        doc = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine(), "threads": self.a.threads,
-               "rows": self.rows, "exponents": exponents(self.rows)}
+        doc = {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": machine(),
+            "threads": self.a.threads,
+            "rows": self.rows,
+            "exponents": exponents(self.rows),
+        }
         Path(self.a.out).write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
 
@@ -170,26 +189,52 @@ class Bench:
 def job_function(b: Bench, f: int):
     name = b.model(f)
     ppl = b.edgellm("ppl", name, "--text", b.wiki, "--chunks", "4", "--threads", b.t, "--json", "--no-progress")
-    replies = [b.edgellm("chat", name, "-p", p, "--temperature", "0", "--max-tokens", "32", "--threads", b.t,
-                         "--no-history")["stdout"].strip() for p in PROMPTS]
+    replies = [
+        b.edgellm("chat", name, "-p", p, "--temperature", "0", "--max-tokens", "32", "--threads", b.t, "--no-history")[
+            "stdout"
+        ].strip()
+        for p in PROMPTS
+    ]
     got = {"ppl": ppl["json"]["ppl"], "replies": replies}
     if f == 1 or not b.base:
         b.base = got if f == 1 else job_function(b, 1)[2]["got"]
     rel = abs(got["ppl"] - b.base["ppl"]) / b.base["ppl"]
     same = sum(x == y for x, y in zip(replies, b.base["replies"]))
-    return ({"wall_s": ppl["wall_s"], "peak_anon": ppl["peak_anon"], "peak_file": ppl["peak_file"]}, None,
-            {"got": got, "ppl_rel_diff": rel, "same_replies": same, "ok": rel <= 1e-3 and same == len(PROMPTS)})
+    return (
+        {"wall_s": ppl["wall_s"], "peak_anon": ppl["peak_anon"], "peak_file": ppl["peak_file"]},
+        None,
+        {"got": got, "ppl_rel_diff": rel, "same_replies": same, "ok": rel <= 1e-3 and same == len(PROMPTS)},
+    )
 
 
 def job_imatrix(b: Bench, f: int):
     name, c = b.model(f), str(b.a.chunks)
     path = b.inspect(name)["path"]
-    few = b.edgellm("imatrix", name, "--text", b.wiki, "--chunks", str(b.a.few_chunks), "--threads", b.t, "--force",
-                    "--json", "--no-progress")
-    mine, ref = b.paired(1, lambda: b.edgellm("imatrix", name, "--text", b.wiki, "--chunks", c, "--threads", b.t,
-                                              "--force", "--json", "--no-progress"),
-                         lambda: b.llama("llama-imatrix", "-m", path, "-f", b.wiki, "-c", "512", "--chunks", c, "-t", b.t,
-                                         "--no-ppl", "-o", b.ref / "imatrix.gguf"))
+    few = b.edgellm(
+        "imatrix", name, "--text", b.wiki, "--chunks", str(b.a.few_chunks), "--threads", b.t, "--force", "--json", "--no-progress"
+    )
+    mine, ref = b.paired(
+        1,
+        lambda: b.edgellm(
+            "imatrix", name, "--text", b.wiki, "--chunks", c, "--threads", b.t, "--force", "--json", "--no-progress"
+        ),
+        lambda: b.llama(
+            "llama-imatrix",
+            "-m",
+            path,
+            "-f",
+            b.wiki,
+            "-c",
+            "512",
+            "--chunks",
+            c,
+            "-t",
+            b.t,
+            "--no-ppl",
+            "-o",
+            b.ref / "imatrix.gguf",
+        ),
+    )
     return mine, ref, {"anon_few_over_many": few["peak_anon"] / mine["peak_anon"], "few_chunks": b.a.few_chunks}
 
 
@@ -217,14 +262,26 @@ def quantize_pair(b: Bench, f: int, job: str, mine_args: list, ref_args: list, r
 
 def job_budget(b: Bench, f: int):
     name = b.model(f)
-    size = b.sizes.get(f) or b.edgellm("quantize", name, "-l", "q4_k_m", "--threads", b.t, "--force", "--json",
-                                       "--no-progress")["json"][0]["size_bytes"]
+    size = (
+        b.sizes.get(f)
+        or b.edgellm("quantize", name, "-l", "q4_k_m", "--threads", b.t, "--force", "--json", "--no-progress")["json"][0][
+            "size_bytes"
+        ]
+    )
     r = b.edgellm("quantize", name, "--budget", str(size), "--threads", b.t, "--force", "--json", "--no-progress")
     j = r["json"][0]
     b.recipes[f] = j["recipe_file"]
     b.edgellm("rm", j["name"])
-    return (median_of([r]), None, {"budget_bytes": size, "size_bytes": j["size_bytes"], "search_s": j["search_seconds"],
-                                   "quantize_s": j["quantize_seconds"]})
+    return (
+        median_of([r]),
+        None,
+        {
+            "budget_bytes": size,
+            "size_bytes": j["size_bytes"],
+            "search_s": j["search_seconds"],
+            "quantize_s": j["quantize_seconds"],
+        },
+    )
 
 
 def job_eval(b: Bench, f: int):
@@ -235,13 +292,47 @@ def job_eval(b: Bench, f: int):
     logits = b.ref / "kld-base.bin"
 
     def ref():
-        runs = [b.llama("llama-perplexity", "-m", b.inspect(name)["path"], "-f", b.wiki, "-c", "512", "--chunks", c,
-                        "-t", b.t, "--kl-divergence-base", logits)]
-        runs += [b.llama("llama-perplexity", "-m", q, "-f", b.wiki, "-c", "512", "--chunks", c, "-t", b.t,
-                         "--kl-divergence-base", logits, "--kl-divergence") for q in levels]
+        runs = [
+            b.llama(
+                "llama-perplexity",
+                "-m",
+                b.inspect(name)["path"],
+                "-f",
+                b.wiki,
+                "-c",
+                "512",
+                "--chunks",
+                c,
+                "-t",
+                b.t,
+                "--kl-divergence-base",
+                logits,
+            )
+        ]
+        runs += [
+            b.llama(
+                "llama-perplexity",
+                "-m",
+                q,
+                "-f",
+                b.wiki,
+                "-c",
+                "512",
+                "--chunks",
+                c,
+                "-t",
+                b.t,
+                "--kl-divergence-base",
+                logits,
+                "--kl-divergence",
+            )
+            for q in levels
+        ]
         logits.unlink(missing_ok=True)
-        return {"wall_s": sum(r["wall_s"] for r in runs), **{k: max(r[k] for r in runs) for k in
-                                                             ("peak_anon", "peak_file", "peak_rss", "extra_disk")}}
+        return {
+            "wall_s": sum(r["wall_s"] for r in runs),
+            **{k: max(r[k] for r in runs) for k in ("peak_anon", "peak_file", "peak_rss", "extra_disk")},
+        }
 
     mine, r = b.paired(1, lambda: b.edgellm("eval", name, "--levels", "q4_k_m,q8_0", "--chunks", c, *common), ref)
     return mine, r, {"anon_few_over_many": few["peak_anon"] / mine["peak_anon"], "few_chunks": b.a.few_chunks}
@@ -254,12 +345,16 @@ def job_bench(b: Bench, f: int, level: str):
     def mine():
         r = b.edgellm("bench", path, "--pp", "512", "--tg", "128", "-r", reps, "--threads", b.t, "--json", "--no-progress")
         rows = {x["test"]: x for x in r["json"]}
-        return r | {"pp512_ts": rows["pp512"]["avg_ts"], "tg128_ts": rows["tg128"]["avg_ts"],
-                    "roofline_fraction": rows["tg128"].get("roofline_fraction") or float("nan")}
+        return r | {
+            "pp512_ts": rows["pp512"]["avg_ts"],
+            "tg128_ts": rows["tg128"]["avg_ts"],
+            "roofline_fraction": rows["tg128"].get("roofline_fraction") or float("nan"),
+        }
 
     def ref():
-        r = b.llama("llama-bench", "-m", path, "-p", "512", "-n", "128", "-r", reps, "-t", b.t, "-lm", "mmap", "-ngl", "0",
-                    "-o", "json")
+        r = b.llama(
+            "llama-bench", "-m", path, "-p", "512", "-n", "128", "-r", reps, "-t", b.t, "-lm", "mmap", "-ngl", "0", "-o", "json"
+        )
         rows = {("pp" if x["n_prompt"] else "tg"): float(x["avg_ts"]) for x in json.loads(r["stdout"])}
         return r | {"pp512_ts": rows["pp"], "tg128_ts": rows["tg"]}
 
@@ -294,10 +389,15 @@ def job_chat(b: Bench, f: int):
     def one(fn):
         got = fn()
         return {k: meter.last[k] for k in ("wall_s", "peak_anon", "peak_file", "peak_rss", "extra_disk")} | {
-            "tokens_per_s": got["tokens_per_second"], "generated": got["generated"]}
+            "tokens_per_s": got["tokens_per_second"],
+            "generated": got["generated"],
+        }
 
-    m, r = b.paired(b.runs(f, "chat"), lambda: one(lambda: bench_chat.run_edgellm(Path(path), 128, b.a.threads, 4096)),
-                    lambda: one(lambda: bench_chat.run_completion(exe, Path(path), text, 128, b.a.threads, 4096)))
+    m, r = b.paired(
+        b.runs(f, "chat"),
+        lambda: one(lambda: bench_chat.run_edgellm(Path(path), 128, b.a.threads, 4096)),
+        lambda: one(lambda: bench_chat.run_completion(exe, Path(path), text, 128, b.a.threads, 4096)),
+    )
     return m, r, {"tps_ratio": m["tokens_per_s"] / r["tokens_per_s"]}
 
 
@@ -320,8 +420,11 @@ def job_serve(b: Bench, f: int):
             raise JobError(f"{load['failed']} requests failed: {load['failures'][:2]}")
         return {"wall_s": time.perf_counter() - t0, "tokens_per_s": load["tokens_per_second"], **peaks}
 
-    m, r = b.paired(1, lambda: one(lambda: lts.start_edgellm(name, b.a.threads, 64, 4, 4096), ""),
-                    lambda: one(lambda: lts.start_llama_server(Path(path), b.a.threads, 4, 4096), "default"))
+    m, r = b.paired(
+        1,
+        lambda: one(lambda: lts.start_edgellm(name, b.a.threads, 64, 4, 4096), ""),
+        lambda: one(lambda: lts.start_llama_server(Path(path), b.a.threads, 4, 4096), "default"),
+    )
     return m, r, {"tps_ratio": m["tokens_per_s"] / r["tokens_per_s"]}
 
 
@@ -334,11 +437,20 @@ def job_ram(b: Bench, f: int):
     vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     words = b.wiki.read_text(encoding="utf-8").split()
     prompt = vocab.detokenize(vocab.tokenize(" ".join(words[:2000]).encode(), add_bos=False)[:500]).decode(errors="ignore")
-    r = b.edgellm("chat", name, "-p", prompt, "--temperature", "0", "--max-tokens", "128", "--ctx", "4096", "--threads",
-                  b.t, "--no-history")
+    r = b.edgellm(
+        "chat", name, "-p", prompt, "--temperature", "0", "--max-tokens", "128", "--ctx", "4096", "--threads", b.t, "--no-history"
+    )
     m = re.search(r"\[(\d+) tokens, [\d.]+ tokens/s; prompt (\d+) tokens", r["stderr"])
-    return (median_of([r]), None, {"estimate_bytes": est, "ratio": est / r["peak_rss"],
-                                   "generated": int(m.group(1)) if m else None, "prompt_tokens": int(m.group(2)) if m else None})
+    return (
+        median_of([r]),
+        None,
+        {
+            "estimate_bytes": est,
+            "ratio": est / r["peak_rss"],
+            "generated": int(m.group(1)) if m else None,
+            "prompt_tokens": int(m.group(2)) if m else None,
+        },
+    )
 
 
 # -- the table ---------------------------------------------------------------------------------------------
@@ -351,28 +463,46 @@ def table_line(r: dict) -> str:
         return f"ERROR {r['error']}"
     e, l = r["edgellm"], r.get("llama") or {}
     ratio = f"{e['wall_s'] / l['wall_s']:.3f}" if l.get("wall_s") else "-"
-    keys = ("identical", "search_s", "quantize_s", "tg_ratio", "pp_ratio", "tps_ratio", "ratio", "anon_few_over_many",
-            "ppl_rel_diff", "same_replies", "generated")
+    keys = (
+        "identical",
+        "search_s",
+        "quantize_s",
+        "tg_ratio",
+        "pp_ratio",
+        "tps_ratio",
+        "ratio",
+        "anon_few_over_many",
+        "ppl_rel_diff",
+        "same_replies",
+        "generated",
+    )
     notes = [f"{k} {r[k]:.4g}" if isinstance(r[k], float) else f"{k} {r[k]}" for k in keys if k in r]
     for k in ("tokens_per_s", "tg128_ts", "pp512_ts", "roofline_fraction"):
         if k in e:
             notes.append(f"{k} {e[k]:.1f}/{l[k]:.1f}" if k in l else f"{k} {e[k]:.3g}")
-    return (f"| {e['wall_s']:.1f} | {l.get('wall_s', 0) and round(l['wall_s'], 1) or '-'} | {ratio} | "
-            f"{mb(e.get('peak_anon'))} / {mb(e.get('peak_file'))} | {mb(l.get('peak_anon'))} / {mb(l.get('peak_file'))} | "
-            f"{mb(e.get('extra_disk'))} | {mb(l.get('extra_disk'))} | {'; '.join(notes)} |")
+    return (
+        f"| {e['wall_s']:.1f} | {l.get('wall_s', 0) and round(l['wall_s'], 1) or '-'} | {ratio} | "
+        f"{mb(e.get('peak_anon'))} / {mb(e.get('peak_file'))} | {mb(l.get('peak_anon'))} / {mb(l.get('peak_file'))} | "
+        f"{mb(e.get('extra_disk'))} | {mb(l.get('extra_disk'))} | {'; '.join(notes)} |"
+    )
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| F | params | job | edgellm s | llama.cpp s | ratio | edgellm anon / file MB | llama.cpp anon / file MB | "
-           "edgellm disk MB | llama.cpp disk MB | other (edgellm/llama.cpp) |", "|" + "---|" * 11]
+    out = [
+        "| F | params | job | edgellm s | llama.cpp s | ratio | edgellm anon / file MB | llama.cpp anon / file MB | "
+        "edgellm disk MB | llama.cpp disk MB | other (edgellm/llama.cpp) |",
+        "|" + "---|" * 11,
+    ]
     for r in rows:
         p = f"{r['params'] / 1e9:.2f}B" if r.get("params") else "-"
         out.append(f"| {r['factor']} | {p} | {r['job']} " + table_line(r))
     ks = exponents(rows)
     if ks:
         out += ["", "| job | tool | k wall | k anon RSS | k extra disk |", "|---|---|---|---|---|"]
-        out += [f"| {j} | {t} | {v.get('wall_s', '-')} | {v.get('peak_anon', '-')} | {v.get('extra_disk', '-')} |"
-                for (j, t), v in ((tuple(k.split("/")), v) for k, v in ks.items())]
+        out += [
+            f"| {j} | {t} | {v.get('wall_s', '-')} | {v.get('peak_anon', '-')} | {v.get('extra_disk', '-')} |"
+            for (j, t), v in ((tuple(k.split("/")), v) for k, v in ks.items())
+        ]
     return "\n".join(out)
 
 
@@ -400,7 +530,13 @@ def exponents(rows: list[dict]) -> dict:
 def machine() -> dict:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
     mem = next(int(ln.split()[1]) * 1024 for ln in open("/proc/meminfo") if ln.startswith("MemTotal"))
-    return {"cpu": cpu, "cpus": os.cpu_count(), "ram_bytes": mem, "load_average": os.getloadavg(), "date": time.strftime("%F %T %Z")}
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "ram_bytes": mem,
+        "load_average": os.getloadavg(),
+        "date": time.strftime("%F %T %Z"),
+    }
 
 
 def main() -> int:
@@ -426,11 +562,18 @@ def main() -> int:
     only = [j for j in JOBS if j in a.only.split(",")]
     b = Bench(a)
     b.sizes, b.recipes = {}, {}
-    steps = {"function": job_function, "imatrix": job_imatrix, "budget": job_budget, "eval": job_eval,
-             "chat": job_chat, "serve": job_serve, "ram": job_ram,
-             "q4_k_m": lambda b, f: quantize_pair(b, f, "q4_k_m", ["-l", "q4_k_m"], [], "Q4_K_M"),
-             "q8_0": lambda b, f: quantize_pair(b, f, "q8_0", ["-l", "q8_0"], [], "Q8_0"),
-             "recipe": lambda b, f: recipe_pair(b, f)}
+    steps = {
+        "function": job_function,
+        "imatrix": job_imatrix,
+        "budget": job_budget,
+        "eval": job_eval,
+        "chat": job_chat,
+        "serve": job_serve,
+        "ram": job_ram,
+        "q4_k_m": lambda b, f: quantize_pair(b, f, "q4_k_m", ["-l", "q4_k_m"], [], "Q4_K_M"),
+        "q8_0": lambda b, f: quantize_pair(b, f, "q8_0", ["-l", "q8_0"], [], "Q8_0"),
+        "recipe": lambda b, f: recipe_pair(b, f),
+    }
     try:
         for f in factors:
             try:
@@ -460,7 +603,7 @@ def main() -> int:
         i, j = doc.find(MARK[0]), doc.find(MARK[1])
         if i < 0 or j < i:
             sys.exit(f"error: {a.doc} has no {MARK[0]} ... {MARK[1]} markers")
-        Path(a.doc).write_text(doc[:i + len(MARK[0])] + "\n" + table + "\n" + doc[j:])
+        Path(a.doc).write_text(doc[: i + len(MARK[0])] + "\n" + table + "\n" + doc[j:])
     return 0
 
 
@@ -468,8 +611,7 @@ def recipe_pair(b: Bench, f: int):
     recipe = b.recipes.get(f)
     if not recipe:
         raise JobError("no recipe: run the budget job first (--only budget,recipe)")
-    return quantize_pair(b, f, "recipe", ["--recipe", recipe], ["--tensor-type-file", Path(recipe).with_suffix(".txt")],
-                         "Q4_K_M")
+    return quantize_pair(b, f, "recipe", ["--recipe", recipe], ["--tensor-type-file", Path(recipe).with_suffix(".txt")], "Q4_K_M")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-CODE_A = '''import json
+CODE_A = """import json
 from dataclasses import dataclass
 
 
@@ -84,7 +84,7 @@ def report(orders, tax_rate):
         name = item["name"] if item else "-"
         lines.append(f"{order.order_id}: total {total}, cheapest {name}")
     return "\\n".join(lines)
-'''
+"""
 CODE_B = '''def parse_size(text):
     """'512M' or '4G' -> bytes."""
     text = text.strip().upper()
@@ -127,8 +127,8 @@ PASSAGE = (
     "The lighthouse on the northern cape was built in 1821 from granite quarried on the island. For a century "
     "its lamp burned whale oil, then paraffin, and from 1923 electricity brought by a cable laid across the strait. "
     "Its keepers wrote in the log every night, and one entry, by Ada Moss in the winter of 1887, is quoted in every "
-    "history of the coast: \"The light is lit, the sea is high, and no ship will be lost tonight while I can climb "
-    "these stairs.\" In 1921 a storm broke the great lens; the town raised the money in a month and rebuilt it in a "
+    'history of the coast: "The light is lit, the sea is high, and no ship will be lost tonight while I can climb '
+    'these stairs." In 1921 a storm broke the great lens; the town raised the money in a month and rebuilt it in a '
     "single summer. The light was automated in 1986, and the keeper's house is now a museum."
 )
 DOCUMENT = (
@@ -140,13 +140,24 @@ DOCUMENT = (
     "support@example.com within 30 days of purchase."
 )
 PROMPTS = {
-    "rewrite-a": ("grounded", "Rewrite this Python module with the variable `order` renamed to `purchase` everywhere. "
-                              "Output only the code.\n\n" + CODE_A),
-    "rewrite-b": ("grounded", "Add a docstring to the class Cache in this code and output the whole code unchanged "
-                              "otherwise.\n\n" + CODE_B),
-    "summary": ("grounded", "Summarize this passage in a few sentences, quoting Ada Moss's log entry word for word:\n\n" + PASSAGE),
-    "document": ("grounded", "Using only this document, explain how to descale the kettle and what the warranty covers, "
-                             "quoting the document where you can.\n\n" + DOCUMENT),
+    "rewrite-a": (
+        "grounded",
+        "Rewrite this Python module with the variable `order` renamed to `purchase` everywhere. "
+        "Output only the code.\n\n" + CODE_A,
+    ),
+    "rewrite-b": (
+        "grounded",
+        "Add a docstring to the class Cache in this code and output the whole code unchanged otherwise.\n\n" + CODE_B,
+    ),
+    "summary": (
+        "grounded",
+        "Summarize this passage in a few sentences, quoting Ada Moss's log entry word for word:\n\n" + PASSAGE,
+    ),
+    "document": (
+        "grounded",
+        "Using only this document, explain how to descale the kettle and what the warranty covers, "
+        "quoting the document where you can.\n\n" + DOCUMENT,
+    ),
     "story": ("open", "Write a short story about a fox who learns to sail."),
     "explain": ("open", "Explain to a child why the sky is blue and why sunsets are red."),
 }
@@ -157,7 +168,9 @@ BUSY_PROMPT = "Write a long story about a dragon who guards a library."
 def tools_dir() -> Path:
     d = os.environ.get("EDGELLM_LLAMA_TOOLS")
     if not d:
-        d = subprocess.run([str(ROOT / "scripts" / "build_llama_tools.sh")], capture_output=True, text=True, check=True).stdout.strip()
+        d = subprocess.run(
+            [str(ROOT / "scripts" / "build_llama_tools.sh")], capture_output=True, text=True, check=True
+        ).stdout.strip()
     return Path(d)
 
 
@@ -168,15 +181,38 @@ def model_path(ref: str) -> Path:
 
 
 def edgellm_chat(path: Path, prompt: str, tokens: int, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "edgellm.cli", "chat", str(path), "-p", prompt, "--temperature", "0", "--max-tokens",
-           str(tokens), "--ctx", "4096", "--no-history", "--json", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "edgellm.cli",
+        "chat",
+        str(path),
+        "-p",
+        prompt,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(tokens),
+        "--ctx",
+        "4096",
+        "--no-history",
+        "--json",
+        *extra,
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if p.returncode != 0:
         sys.exit(f"error: edgellm chat failed: {p.stderr.strip()[-600:]}")
     j = json.loads(p.stdout)
     st = j["stats"]
-    return {"tps": st["tokens_per_second"], "n": st["generated_tokens"], "drafted": st["draft_tokens"],
-            "accepted": st["draft_accepted"], "steps": st["draft_steps"], "threads": st["threads"], "text": j["reply"]}
+    return {
+        "tps": st["tokens_per_second"],
+        "n": st["generated_tokens"],
+        "drafted": st["draft_tokens"],
+        "accepted": st["draft_accepted"],
+        "steps": st["draft_steps"],
+        "threads": st["threads"],
+        "text": j["reply"],
+    }
 
 
 class Server:
@@ -186,8 +222,23 @@ class Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        cmd = [str(exe), "-m", str(path), "-t", str(threads), "-tb", str(threads), "-c", "4096", "--port", str(self.port),
-               "--host", "127.0.0.1", "-np", "1"]
+        cmd = [
+            str(exe),
+            "-m",
+            str(path),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-c",
+            "4096",
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "-np",
+            "1",
+        ]
         if spec:
             cmd += ["--spec-type", spec]
         if draft is not None:
@@ -206,14 +257,22 @@ class Server:
         sys.exit("error: llama-server did not become healthy")
 
     def chat(self, prompt: str, tokens: int) -> dict:
-        body = json.dumps({"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": tokens,
-                           "seed": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions", body, {"Content-Type": "application/json"})
+        body = json.dumps(
+            {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": tokens, "seed": 0}
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/chat/completions", body, {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=600) as r:
             j = json.load(r)
         t = j.get("timings", {})
-        return {"tps": t.get("predicted_per_second", 0.0), "n": t.get("predicted_n", 0), "drafted": t.get("draft_n", 0),
-                "accepted": t.get("draft_n_accepted", 0), "text": j["choices"][0]["message"]["content"]}
+        return {
+            "tps": t.get("predicted_per_second", 0.0),
+            "n": t.get("predicted_n", 0),
+            "drafted": t.get("draft_n", 0),
+            "accepted": t.get("draft_n_accepted", 0),
+            "text": j["choices"][0]["message"]["content"],
+        }
 
     def close(self) -> None:
         self.proc.terminate()
@@ -251,13 +310,18 @@ def part_prompts(a, path: Path, exe: Path) -> dict:
             identical[n].append(off["text"] == spec["text"] and off["n"] == spec["n"])
             for s, srv in servers.items():
                 res[n][f"server-{s}"].append(srv.chat(prompt, a.tokens))
-            print(f"  {n}: edgellm {off['tps']:.1f} -> {spec['tps']:.1f} t/s (drafted {spec['drafted']}, accepted {spec['accepted']}); "
-                  + ", ".join(f"{s} {res[n][f'server-{s}'][-1]['tps']:.1f}" for s in servers), file=sys.stderr)
+            print(
+                f"  {n}: edgellm {off['tps']:.1f} -> {spec['tps']:.1f} t/s (drafted {spec['drafted']}, accepted {spec['accepted']}); "
+                + ", ".join(f"{s} {res[n][f'server-{s}'][-1]['tps']:.1f}" for s in servers),
+                file=sys.stderr,
+            )
     for s in servers.values():
         s.close()
     print(f"\n## Six prompts: {path.name}, {a.threads} threads, temperature 0, {a.tokens} tokens, medians of {a.rounds} rounds\n")
     cols = ["edgellm-off", "edgellm-ngram", "server-none", *[f"server-{s}" for s in spec_types]]
-    print("| prompt | kind | " + " | ".join(cols) + " | ngram drafted/accepted | vs best server spec | vs edgellm off | identical |")
+    print(
+        "| prompt | kind | " + " | ".join(cols) + " | ngram drafted/accepted | vs best server spec | vs edgellm off | identical |"
+    )
     print("|" + "---|" * (len(cols) + 6))
     summary = {}
     for n in names:
@@ -268,11 +332,21 @@ def part_prompts(a, path: Path, exe: Path) -> dict:
         r_off = m["edgellm-ngram"] / m["edgellm-off"] if m["edgellm-off"] else 0.0
         d, acc = med(res[n]["edgellm-ngram"], "drafted"), med(res[n]["edgellm-ngram"], "accepted")
         goal = (r_srv >= 1.10) if kind == "grounded" else (r_off >= 0.97)
-        print(f"| {n} | {kind} | " + " | ".join(f"{m[c]:.1f}" for c in cols)
-              + f" | {d:.0f}/{acc:.0f} | {r_srv:.2f}x ({best_spec}) | {r_off:.2f}x | {all(identical[n])} |"
-              + ("" if goal else " goal not met"))
-        summary[n] = {"kind": kind, "medians": m, "best_server_spec": best_spec, "ratio_vs_best_server": r_srv,
-                      "ratio_vs_edgellm_off": r_off, "identical": identical[n], "runs": res[n]}
+        print(
+            f"| {n} | {kind} | "
+            + " | ".join(f"{m[c]:.1f}" for c in cols)
+            + f" | {d:.0f}/{acc:.0f} | {r_srv:.2f}x ({best_spec}) | {r_off:.2f}x | {all(identical[n])} |"
+            + ("" if goal else " goal not met")
+        )
+        summary[n] = {
+            "kind": kind,
+            "medians": m,
+            "best_server_spec": best_spec,
+            "ratio_vs_best_server": r_srv,
+            "ratio_vs_edgellm_off": r_off,
+            "identical": identical[n],
+            "runs": res[n],
+        }
     return summary
 
 
@@ -298,8 +372,26 @@ def part_draft_model(a, exe: Path) -> dict:
 
 
 def completion_tps(exe: Path, path: Path, tokens: int) -> float:
-    p = subprocess.run([str(exe), "-m", str(path), "-p", BUSY_PROMPT, "-n", str(tokens), "--temp", "0", "-c", "4096",
-                        "--no-display-prompt", "-no-cnv"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    p = subprocess.run(
+        [
+            str(exe),
+            "-m",
+            str(path),
+            "-p",
+            BUSY_PROMPT,
+            "-n",
+            str(tokens),
+            "--temp",
+            "0",
+            "-c",
+            "4096",
+            "--no-display-prompt",
+            "-no-cnv",
+        ],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     ev = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", p.stderr)
     if p.returncode != 0 or not ev:
         sys.exit(f"error: llama-completion failed: {p.stderr.strip()[-500:]}")
@@ -313,7 +405,11 @@ def part_busy(a, path: Path, exe_completion: Path) -> dict:
         spin = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if scenario == "busy" else None
         try:
             time.sleep(1.0)
-            rows: dict = {"edgellm-adaptive": [], "llama-completion-default": [], **{f"edgellm-t{t}": [] for t in range(1, cores + 1)}}
+            rows: dict = {
+                "edgellm-adaptive": [],
+                "llama-completion-default": [],
+                **{f"edgellm-t{t}": [] for t in range(1, cores + 1)},
+            }
             for _ in range(a.rounds):
                 rows["edgellm-adaptive"].append(edgellm_chat(path, BUSY_PROMPT, a.busy_tokens)["tps"])
                 rows["llama-completion-default"].append(completion_tps(exe_completion, path, a.busy_tokens))
@@ -325,14 +421,23 @@ def part_busy(a, path: Path, exe_completion: Path) -> dict:
                 spin.wait()
         m = {k: statistics.median(v) for k, v in rows.items()}
         best_fixed = max(v for k, v in m.items() if k.startswith("edgellm-t"))
-        out[scenario] = {"medians": m, "vs_llama_completion": m["edgellm-adaptive"] / m["llama-completion-default"],
-                         "vs_best_fixed": m["edgellm-adaptive"] / best_fixed, "runs": rows}
-    print(f"\n## Threads: tg of {a.busy_tokens} tokens, one core kept busy by a spinning process vs idle, medians of {a.rounds}\n")
+        out[scenario] = {
+            "medians": m,
+            "vs_llama_completion": m["edgellm-adaptive"] / m["llama-completion-default"],
+            "vs_best_fixed": m["edgellm-adaptive"] / best_fixed,
+            "runs": rows,
+        }
+    print(
+        f"\n## Threads: tg of {a.busy_tokens} tokens, one core kept busy by a spinning process vs idle, medians of {a.rounds}\n"
+    )
     print("| scenario | " + " | ".join(out["busy"]["medians"]) + " | adaptive / llama-completion | adaptive / best fixed |")
     print("|" + "---|" * (len(out["busy"]["medians"]) + 3))
     for sc, v in out.items():
-        print(f"| {sc} | " + " | ".join(f"{x:.1f}" for x in v["medians"].values())
-              + f" | {v['vs_llama_completion']:.2f}x | {v['vs_best_fixed']:.2f}x |")
+        print(
+            f"| {sc} | "
+            + " | ".join(f"{x:.1f}" for x in v["medians"].values())
+            + f" | {v['vs_llama_completion']:.2f}x | {v['vs_best_fixed']:.2f}x |"
+        )
     return out
 
 
@@ -344,7 +449,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", default="", help="comma-separated subset of: " + ",".join(PROMPTS))
     ap.add_argument("--spec-types", default=",".join(SPEC_TYPES))
-    ap.add_argument("--server-warm", action="store_true", help="keep each llama-server up across rounds (its n-gram table then holds earlier replies)")
+    ap.add_argument(
+        "--server-warm",
+        action="store_true",
+        help="keep each llama-server up across rounds (its n-gram table then holds earlier replies)",
+    )
     ap.add_argument("--draft-target", help="part 2: the target model (e.g. the 1.93B widened model at Q8_0)")
     ap.add_argument("--draft-model", help="part 2: its draft model (e.g. the default model at Q4_0)")
     ap.add_argument("--skip-busy", action="store_true")
@@ -353,8 +462,13 @@ def main() -> None:
     a = ap.parse_args()
     tools = tools_dir()
     path = model_path(a.model)
-    result: dict = {"model": str(path), "threads": a.threads, "tokens": a.tokens, "rounds": a.rounds,
-                    "prompts": part_prompts(a, path, tools / "llama-server")}
+    result: dict = {
+        "model": str(path),
+        "threads": a.threads,
+        "tokens": a.tokens,
+        "rounds": a.rounds,
+        "prompts": part_prompts(a, path, tools / "llama-server"),
+    }
     if a.draft_target and a.draft_model:
         result["draft_model"] = part_draft_model(a, tools / "llama-server")
     if not a.skip_busy:

@@ -124,8 +124,19 @@ def main() -> int:
         sb = statistics.stdev(b) if len(b) > 1 else 0.0
         per_round = [x / y for x, y in zip(a, b)]
         ratio = statistics.median(per_round)
-        results.append({"model": key[0], "test": key[1], "edgellm_ts": ma, "edgellm_sd": sa, "llama_bench_ts": mb,
-                        "llama_bench_sd": sb, "ratio_of_means": ma / mb, "ratio": ratio, "per_round_ratio": per_round})
+        results.append(
+            {
+                "model": key[0],
+                "test": key[1],
+                "edgellm_ts": ma,
+                "edgellm_sd": sa,
+                "llama_bench_ts": mb,
+                "llama_bench_sd": sb,
+                "ratio_of_means": ma / mb,
+                "ratio": ratio,
+                "per_round_ratio": per_round,
+            }
+        )
         flag = "" if ratio >= GOAL else "  < goal"
         print(f"{key[0]:48} {key[1]:6} {ma:9.2f} ± {sa:5.2f} {mb:9.2f} ± {sb:5.2f} {ma / mb:8.3f}x {ratio:12.3f}x{flag}")
     print()
@@ -136,9 +147,19 @@ def main() -> int:
     worst = min((r["ratio"] for r in results), default=0.0)
     print(f"worst median paired ratio {worst:.3f}x (goal >= {GOAL}x)")
     if args.json:
-        args.json.write_text(json.dumps({"results": results, "threads": args.threads, "rounds": args.rounds,
-                                         "repetitions": args.repetitions, "load": [load0, load1],
-                                         "bandwidth_read": bw.read_bytes_per_s}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "results": results,
+                    "threads": args.threads,
+                    "rounds": args.rounds,
+                    "repetitions": args.repetitions,
+                    "load": [load0, load1],
+                    "bandwidth_read": bw.read_bytes_per_s,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

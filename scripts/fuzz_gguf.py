@@ -181,7 +181,7 @@ def mutations(source: str, data: bytes, rng: random.Random, *, file_size: int | 
         add(f"dim0=0:{nm}", patches=[(t["dims_off"], _u64(0))])
         add(f"dim0=2^40:{nm}", patches=[(t["dims_off"], _u64(2**40))])
         add(f"dim0=2^63:{nm}", patches=[(t["dims_off"], _u64(2**63))])
-        add(f"dim0+32:{nm}", patches=[(t["dims_off"], _u64(struct.unpack_from('<Q', data, t['dims_off'])[0] + 32))])
+        add(f"dim0+32:{nm}", patches=[(t["dims_off"], _u64(struct.unpack_from("<Q", data, t["dims_off"])[0] + 32))])
         add(f"dim0=7:{nm}", patches=[(t["dims_off"], _u64(7))])
         add(f"type=99:{nm}", patches=[(t["type_off"], _u32(99))])
         add(f"type=2^31:{nm}", patches=[(t["type_off"], _u32(2**31))])
@@ -189,7 +189,7 @@ def mutations(source: str, data: bytes, rng: random.Random, *, file_size: int | 
         add(f"offset=2^63:{nm}", patches=[(t["offset_off"], _u64(2**63))])
         add(f"offset-misaligned:{nm}", patches=[(t["offset_off"], _u64(t["rel"] + 1))])
         if t["ndims"] >= 2:
-            add(f"dim1+1:{nm}", patches=[(t["dims_off"] + 8, _u64(struct.unpack_from('<Q', data, t['dims_off'] + 8)[0] + 1))])
+            add(f"dim1+1:{nm}", patches=[(t["dims_off"] + 8, _u64(struct.unpack_from("<Q", data, t["dims_off"] + 8)[0] + 1))])
     # a tensor renamed to a duplicate of another
     if len(lay.tensors) > 2:
         a, b = lay.tensors[1], lay.tensors[2]
@@ -282,7 +282,15 @@ def run_jobs(jobs: list[dict], env: dict, *, timeout: float) -> list[dict]:
     results: list[dict] = []
     pending = list(jobs)
     while pending:
-        proc = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=str(ROOT))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WORKER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
+        )
         proc.stdin.write(json.dumps(pending) + "\n")
         proc.stdin.close()
         # A reader thread, so a run that hangs (no line ever comes) is still timed.
@@ -345,8 +353,14 @@ def main(argv: list[str] | None = None) -> int:
         sources = {
             "tiny": write_tiny_llama(work / "tiny.gguf", n_layer=2),
             # a second shape: F32, three layers, grouped-query attention, a chat template
-            "tiny32": write_tiny_llama(work / "tiny32.gguf", n_layer=3, n_head_kv=2, dtype="f32", seed=1,
-                                       chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"),
+            "tiny32": write_tiny_llama(
+                work / "tiny32.gguf",
+                n_layer=3,
+                n_head_kv=2,
+                dtype="f32",
+                seed=1,
+                chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            ),
         }
         default = args.default_model
         if default is None:
@@ -364,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
             dcases = mutations("default", head, rng, file_size=Path(default).stat().st_size)
             rng.shuffle(dcases)
             cases += dcases[: args.default_cases]
-        tiny_cases = mutations("tiny", sources["tiny"].read_bytes(), rng) + mutations("tiny32", sources["tiny32"].read_bytes(), rng)
+        tiny_cases = mutations("tiny", sources["tiny"].read_bytes(), rng) + mutations(
+            "tiny32", sources["tiny32"].read_bytes(), rng
+        )
         rng.shuffle(tiny_cases)
         cases += tiny_cases[: max(0, args.count - len(cases))]
         cases = cases[: args.count]
@@ -396,12 +412,17 @@ def main(argv: list[str] | None = None) -> int:
             "signals": len(signals),
             "hangs": len(hangs),
             "seconds": round(elapsed, 1),
-            "problems": [{"case": cases[r["key"][0]].name, "command": r["key"][1], "problem": r["problem"], "stderr": r["stderr"][-200:]} for r in problems[:50]],
+            "problems": [
+                {"case": cases[r["key"][0]].name, "command": r["key"][1], "problem": r["problem"], "stderr": r["stderr"][-200:]}
+                for r in problems[:50]
+            ],
         }
         if args.json:
             print(json.dumps(summary, indent=2))
         else:
-            print(f"{summary['files']} malformed files ({summary['from_default_model']} from the default model) x {len(commands)} commands = {summary['runs']} runs in {elapsed:.0f} s")
+            print(
+                f"{summary['files']} malformed files ({summary['from_default_model']} from the default model) x {len(commands)} commands = {summary['runs']} runs in {elapsed:.0f} s"
+            )
             print(f"failures: {summary['failures']} (signals: {summary['signals']}, hangs: {summary['hangs']})")
             for p in summary["problems"]:
                 print(f"  {p['case']} / {p['command']}: {p['problem']}")

@@ -88,7 +88,12 @@ def run_trials(job: Job, env: dict, trials: int, rng: random.Random) -> dict:
     env = dict(env, **job.extra_env)
     first = edgellm(job.args, env)
     if first.returncode != 0:
-        return {"command": job.name, "trials": 0, "failures": 1, "problems": [f"the job fails even without a kill: {first.stderr.strip()[-300:]}"]}
+        return {
+            "command": job.name,
+            "trials": 0,
+            "failures": 1,
+            "problems": [f"the job fails even without a kill: {first.stderr.strip()[-300:]}"],
+        }
     # Time a second, warm run: the first pays cold caches, and kill delays drawn over
     # it would often land after the job has finished.
     if job.reset:
@@ -116,7 +121,14 @@ def run_trials(job: Job, env: dict, trials: int, rng: random.Random) -> dict:
     if rerun.returncode != 0:
         problems.append(f"rerun after the kills failed: {rerun.stderr.strip()[-300:]}")
     problems += [f"after rerun: {p}" for p in check_store(env)]
-    return {"command": job.name, "trials": trials, "killed_mid_job": kills, "job_seconds": round(duration, 2), "failures": len(problems), "problems": problems[:20]}
+    return {
+        "command": job.name,
+        "trials": trials,
+        "killed_mid_job": kills,
+        "job_seconds": round(duration, 2),
+        "failures": len(problems),
+        "problems": problems[:20],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,12 +161,31 @@ def main(argv: list[str] | None = None) -> int:
 
         jobs = {
             "import": Job("import", ["import", str(default), "--name", "k-import"], reset=rm("k-import")),
-            "convert": Job("convert", ["convert", "smollm2-135m-instruct-q4_1", "--to", "f16", "--name", "k-f16"], reset=rm("k-f16")),
+            "convert": Job(
+                "convert", ["convert", "smollm2-135m-instruct-q4_1", "--to", "f16", "--name", "k-f16"], reset=rm("k-f16")
+            ),
             # into the store (no -o), so the temp file lies where the next start cleans up
             "quantize": Job("quantize", ["quantize", "tiny-f16", "--level", "q4_k_m", "--no-progress"], reset=rm("tiny-q4_k_m")),
             # the level is quantized and registered inside eval each trial, then scored
-            "eval": Job("eval", ["eval", "tiny-f16", "--levels", "q8_0", "--text", str(text), "--ctx", "64", "--chunks", "2",
-                                 "--batch", "128", "--no-progress"], reset=rm("tiny-q8_0")),
+            "eval": Job(
+                "eval",
+                [
+                    "eval",
+                    "tiny-f16",
+                    "--levels",
+                    "q8_0",
+                    "--text",
+                    str(text),
+                    "--ctx",
+                    "64",
+                    "--chunks",
+                    "2",
+                    "--batch",
+                    "128",
+                    "--no-progress",
+                ],
+                reset=rm("tiny-q8_0"),
+            ),
             "history": Job("history", ["chat", "tiny-f16", "-p", "hello there", "--max-tokens", "48", "--temperature", "0"]),
         }
         selected = [c for c in args.commands.split(",") if c]
@@ -164,8 +195,12 @@ def main(argv: list[str] | None = None) -> int:
 
             server = HubServer({"edgellm/kill-test": {"model.gguf": default}}).start()
             server.throttle(40 << 20)  # ~2.5 s for the file: room to kill it mid-way
-            jobs["pull"] = Job("pull", ["pull", "edgellm/kill-test", "--file", "model.gguf", "--name", "k-pull", "--no-progress"],
-                               reset=rm("k-pull"), extra_env={"HF_ENDPOINT": server.url})
+            jobs["pull"] = Job(
+                "pull",
+                ["pull", "edgellm/kill-test", "--file", "model.gguf", "--name", "k-pull", "--no-progress"],
+                reset=rm("k-pull"),
+                extra_env={"HF_ENDPOINT": server.url},
+            )
         results = []
         try:
             for c in selected:
@@ -178,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"results": results, "failures": total}, indent=2))
         else:
             for r in results:
-                print(f"{r['command']:<9} trials {r['trials']:>3}  killed mid-job {r.get('killed_mid_job', 0):>3}  job {r.get('job_seconds', 0):>6} s  failures {r['failures']}")
+                print(
+                    f"{r['command']:<9} trials {r['trials']:>3}  killed mid-job {r.get('killed_mid_job', 0):>3}  job {r.get('job_seconds', 0):>6} s  failures {r['failures']}"
+                )
                 for p in r["problems"]:
                     print(f"    {p}")
             print(f"failures: {total}")

@@ -65,7 +65,7 @@ def main() -> int:
     }
     ts: dict[str, list[float]] = {k: [] for k in cmds}
     for rnd in range(a.rounds):
-        for k in (list(cmds) if rnd % 2 == 0 else list(cmds)[::-1]):
+        for k in list(cmds) if rnd % 2 == 0 else list(cmds)[::-1]:
             p = subprocess.run(cmds[k], capture_output=True, text=True)
             if p.returncode != 0:
                 sys.exit(f"{k} failed: {p.stderr[-300:]}")
@@ -73,9 +73,11 @@ def main() -> int:
         print(f"round {rnd + 1}: standalone {ts['standalone'][-1]:.1f} t/s, in python {ts['in python'][-1]:.1f} t/s", flush=True)
     paired = [b / s for s, b in zip(ts["standalone"], ts["in python"])]
     test = f"pp{a.pp}" if a.pp else f"tg{a.tg}"
-    print(f"{a.model.name} {test}, {a.threads} threads, numpy {'imported' if a.numpy else 'not imported'}: "
-          f"in python / standalone = median paired {statistics.median(paired):.3f}x, "
-          f"mean/mean {statistics.mean(ts['in python']) / statistics.mean(ts['standalone']):.3f}x over {a.rounds} rounds")
+    print(
+        f"{a.model.name} {test}, {a.threads} threads, numpy {'imported' if a.numpy else 'not imported'}: "
+        f"in python / standalone = median paired {statistics.median(paired):.3f}x, "
+        f"mean/mean {statistics.mean(ts['in python']) / statistics.mean(ts['standalone']):.3f}x over {a.rounds} rounds"
+    )
     return 0
 
 

@@ -34,9 +34,18 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
-PROMPTS = ["Tell me about the sea.", "Describe a city at night.", "Explain how rain forms.", "Write about a forest walk.",
-           "Describe your favourite meal.", "Explain what a computer does.", "Tell me a story about a cat.",
-           "Describe the moon.", "Explain why we sleep.", "Write about a mountain."]
+PROMPTS = [
+    "Tell me about the sea.",
+    "Describe a city at night.",
+    "Explain how rain forms.",
+    "Write about a forest walk.",
+    "Describe your favourite meal.",
+    "Explain what a computer does.",
+    "Tell me a story about a cat.",
+    "Describe the moon.",
+    "Explain why we sleep.",
+    "Write about a mountain.",
+]
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from support.serve_proc import start_serve, stop_process  # noqa: E402  (the serve tests' own start and stop)
@@ -57,7 +66,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_edgellm(model: str, threads: int | None, queue: int, parallel: int | None, ctx: int | None) -> tuple[subprocess.Popen, str]:
+def start_edgellm(
+    model: str, threads: int | None, queue: int, parallel: int | None, ctx: int | None
+) -> tuple[subprocess.Popen, str]:
     args = [model, "--host", "127.0.0.1", "--queue", str(queue)]
     for flag, v in (("--threads", threads), ("--parallel", parallel), ("--ctx", ctx)):
         if v:
@@ -69,12 +80,32 @@ def start_edgellm(model: str, threads: int | None, queue: int, parallel: int | N
 
 
 def start_llama_server(path: Path, threads: int | None, parallel: int, ctx: int) -> tuple[subprocess.Popen, str]:
-    tools = os.environ.get("EDGELLM_LLAMA_TOOLS") or subprocess.run(
-        [str(ROOT / "scripts" / "build_llama_tools.sh"), "llama-server", "llama-completion"],
-        check=True, capture_output=True, text=True).stdout.strip()
+    tools = (
+        os.environ.get("EDGELLM_LLAMA_TOOLS")
+        or subprocess.run(
+            [str(ROOT / "scripts" / "build_llama_tools.sh"), "llama-server", "llama-completion"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     port = _free_port()
-    cmd = [str(Path(tools) / "llama-server"), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
-           "--parallel", str(parallel), "-c", str(ctx), "--no-webui", "-fa", "off"]  # as edgellm runs
+    cmd = [
+        str(Path(tools) / "llama-server"),
+        "-m",
+        str(path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--parallel",
+        str(parallel),
+        "-c",
+        str(ctx),
+        "--no-webui",
+        "-fa",
+        "off",
+    ]  # as edgellm runs
     if threads:
         cmd += ["-t", str(threads), "-tb", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -115,9 +146,14 @@ def run_load(url: str, model: str, clients: int, requests: int, max_tokens: int,
             ttft, n, usage = None, 0, None
             try:
                 stream = client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": PROMPTS[(ci + ri) % len(PROMPTS)]}],
-                    max_tokens=max_tokens, temperature=0.7, seed=ci * 1000 + ri, stream=True,
-                    stream_options={"include_usage": True})
+                    model=model,
+                    messages=[{"role": "user", "content": PROMPTS[(ci + ri) % len(PROMPTS)]}],
+                    max_tokens=max_tokens,
+                    temperature=0.7,
+                    seed=ci * 1000 + ri,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
                 for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
                         n += 1
@@ -127,8 +163,13 @@ def run_load(url: str, model: str, clients: int, requests: int, max_tokens: int,
                         usage = chunk.usage
                 dt = time.perf_counter() - t0
                 with lock:
-                    results.append({"latency": dt, "ttft": ttft if ttft is not None else dt,
-                                    "completion_tokens": usage.completion_tokens if usage else n})
+                    results.append(
+                        {
+                            "latency": dt,
+                            "ttft": ttft if ttft is not None else dt,
+                            "completion_tokens": usage.completion_tokens if usage else n,
+                        }
+                    )
             except Exception as e:  # every failure is counted, never retried
                 with lock:
                     failures.append(f"client {ci} request {ri}: {type(e).__name__}: {e}")
@@ -143,11 +184,20 @@ def run_load(url: str, model: str, clients: int, requests: int, max_tokens: int,
     lat = [r["latency"] for r in results]
     ttft = [r["ttft"] for r in results]
     tokens = sum(r["completion_tokens"] for r in results)
-    return {"sent": clients * requests, "answered": len(results), "failed": len(failures), "wall_seconds": round(wall, 2),
-            "completion_tokens": tokens, "tokens_per_second": round(tokens / wall, 2) if wall > 0 else 0.0,
-            "latency_p50_s": round(percentile(lat, 50), 3), "latency_p95_s": round(percentile(lat, 95), 3),
-            "ttft_p50_s": round(percentile(ttft, 50), 3), "ttft_p95_s": round(percentile(ttft, 95), 3),
-            "failures": failures[:10], "load_average_1m": round(os.getloadavg()[0], 2)}
+    return {
+        "sent": clients * requests,
+        "answered": len(results),
+        "failed": len(failures),
+        "wall_seconds": round(wall, 2),
+        "completion_tokens": tokens,
+        "tokens_per_second": round(tokens / wall, 2) if wall > 0 else 0.0,
+        "latency_p50_s": round(percentile(lat, 50), 3),
+        "latency_p95_s": round(percentile(lat, 95), 3),
+        "ttft_p50_s": round(percentile(ttft, 50), 3),
+        "ttft_p95_s": round(percentile(ttft, 95), 3),
+        "failures": failures[:10],
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
 
 
 def compare(args) -> int:
@@ -158,7 +208,9 @@ def compare(args) -> int:
     path = resolve(args.model).path
     ctx = args.ctx or 1024 * args.parallel
     servers = {
-        f"edgellm --parallel {args.parallel}": lambda: start_edgellm(args.model, args.threads, args.clients * args.requests, args.parallel, ctx),
+        f"edgellm --parallel {args.parallel}": lambda: start_edgellm(
+            args.model, args.threads, args.clients * args.requests, args.parallel, ctx
+        ),
         f"llama-server --parallel {args.parallel}": lambda: start_llama_server(path, args.threads, args.parallel, ctx),
         "edgellm --parallel 1": lambda: start_edgellm(args.model, args.threads, args.clients * args.requests, 1, 1024),
         # Where batching's ceiling lies on this machine: llama.cpp's own server against itself.
@@ -174,33 +226,58 @@ def compare(args) -> int:
             finally:
                 stop_process(proc)
             runs[name].append(r)
-            print(f"round {rnd + 1} {name}: {r['answered']}/{r['sent']} answered, {r['tokens_per_second']} tok/s, "
-                  f"p50 {r['latency_p50_s']} s, p95 {r['latency_p95_s']} s, ttft p50 {r['ttft_p50_s']} s "
-                  f"(load {r['load_average_1m']})", file=sys.stderr)
+            print(
+                f"round {rnd + 1} {name}: {r['answered']}/{r['sent']} answered, {r['tokens_per_second']} tok/s, "
+                f"p50 {r['latency_p50_s']} s, p95 {r['latency_p95_s']} s, ttft p50 {r['ttft_p50_s']} s "
+                f"(load {r['load_average_1m']})",
+                file=sys.stderr,
+            )
     keys = ("tokens_per_second", "latency_p50_s", "latency_p95_s", "ttft_p50_s", "ttft_p95_s")
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in keys} | {
-        "answered": sum(r["answered"] for r in rs), "failed": sum(r["failed"] for r in rs)} for name, rs in runs.items()}
+    med = {
+        name: {k: statistics.median(r[k] for r in rs) for k in keys}
+        | {"answered": sum(r["answered"] for r in rs), "failed": sum(r["failed"] for r in rs)}
+        for name, rs in runs.items()
+    }
     ours, theirs, one, their_one = (med[k] for k in servers)
-    report = {"model": args.model, "clients": args.clients, "requests_per_client": args.requests, "max_tokens": args.max_tokens,
-              "threads": args.threads, "ctx": ctx, "rounds": args.rounds, "medians": med,
-              "tokens_per_second_vs_llama_server": round(ours["tokens_per_second"] / theirs["tokens_per_second"], 3),
-              "p50_latency_vs_llama_server": round(ours["latency_p50_s"] / theirs["latency_p50_s"], 3),
-              "ttft_p50_vs_llama_server": round(ours["ttft_p50_s"] / theirs["ttft_p50_s"], 3),
-              "tokens_per_second_vs_parallel_1": round(ours["tokens_per_second"] / one["tokens_per_second"], 3),
-              "llama_server_tokens_per_second_vs_its_parallel_1": round(theirs["tokens_per_second"] / their_one["tokens_per_second"], 3),
-              "cpu_count": os.cpu_count(), "runs": runs}
+    report = {
+        "model": args.model,
+        "clients": args.clients,
+        "requests_per_client": args.requests,
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+        "ctx": ctx,
+        "rounds": args.rounds,
+        "medians": med,
+        "tokens_per_second_vs_llama_server": round(ours["tokens_per_second"] / theirs["tokens_per_second"], 3),
+        "p50_latency_vs_llama_server": round(ours["latency_p50_s"] / theirs["latency_p50_s"], 3),
+        "ttft_p50_vs_llama_server": round(ours["ttft_p50_s"] / theirs["ttft_p50_s"], 3),
+        "tokens_per_second_vs_parallel_1": round(ours["tokens_per_second"] / one["tokens_per_second"], 3),
+        "llama_server_tokens_per_second_vs_its_parallel_1": round(
+            theirs["tokens_per_second"] / their_one["tokens_per_second"], 3
+        ),
+        "cpu_count": os.cpu_count(),
+        "runs": runs,
+    }
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{args.clients} clients x {args.requests} chat requests, max_tokens {args.max_tokens}, {args.rounds} alternating rounds (medians)")
-        print(f"{'server':28s} {'answered':>9s} {'failed':>7s} {'tok/s':>8s} {'p50 s':>7s} {'p95 s':>7s} {'ttft50':>7s} {'ttft95':>7s}")
+        print(
+            f"{args.clients} clients x {args.requests} chat requests, max_tokens {args.max_tokens}, {args.rounds} alternating rounds (medians)"
+        )
+        print(
+            f"{'server':28s} {'answered':>9s} {'failed':>7s} {'tok/s':>8s} {'p50 s':>7s} {'p95 s':>7s} {'ttft50':>7s} {'ttft95':>7s}"
+        )
         for name, m in med.items():
-            print(f"{name:28s} {m['answered']:9d} {m['failed']:7d} {m['tokens_per_second']:8.1f} {m['latency_p50_s']:7.2f} "
-                  f"{m['latency_p95_s']:7.2f} {m['ttft_p50_s']:7.2f} {m['ttft_p95_s']:7.2f}")
-        print(f"edgellm / llama-server: tokens/s {report['tokens_per_second_vs_llama_server']}x, "
-              f"p50 latency {report['p50_latency_vs_llama_server']}x, ttft {report['ttft_p50_vs_llama_server']}x; "
-              f"edgellm --parallel {args.parallel} / --parallel 1: tokens/s {report['tokens_per_second_vs_parallel_1']}x; "
-              f"llama-server --parallel {args.parallel} / --parallel 1: {report['llama_server_tokens_per_second_vs_its_parallel_1']}x")
+            print(
+                f"{name:28s} {m['answered']:9d} {m['failed']:7d} {m['tokens_per_second']:8.1f} {m['latency_p50_s']:7.2f} "
+                f"{m['latency_p95_s']:7.2f} {m['ttft_p50_s']:7.2f} {m['ttft_p95_s']:7.2f}"
+            )
+        print(
+            f"edgellm / llama-server: tokens/s {report['tokens_per_second_vs_llama_server']}x, "
+            f"p50 latency {report['p50_latency_vs_llama_server']}x, ttft {report['ttft_p50_vs_llama_server']}x; "
+            f"edgellm --parallel {args.parallel} / --parallel 1: tokens/s {report['tokens_per_second_vs_parallel_1']}x; "
+            f"llama-server --parallel {args.parallel} / --parallel 1: {report['llama_server_tokens_per_second_vs_its_parallel_1']}x"
+        )
     return 0 if all(m["failed"] == 0 for m in med.values()) else 1
 
 
@@ -221,8 +298,10 @@ def mixed(args) -> int:
     finally:
         stop_process(proc)
     drift = (rss1 - rss0) / rss0
-    print(f"{args.mixed} mixed requests: {len(problems)} wrong answers; RSS {rss0 / 2**20:.1f} MiB after the warm-up, "
-          f"{rss1 / 2**20:.1f} MiB after the run ({drift * 100:+.2f}%)")
+    print(
+        f"{args.mixed} mixed requests: {len(problems)} wrong answers; RSS {rss0 / 2**20:.1f} MiB after the warm-up, "
+        f"{rss1 / 2**20:.1f} MiB after the run ({drift * 100:+.2f}%)"
+    )
     for p in problems[:10]:
         print("wrong:", p, file=sys.stderr)
     return 0 if not problems and abs(drift) <= 0.05 else 1
@@ -265,10 +344,14 @@ def main() -> int:
     if args.json:
         print(json.dumps(r, indent=2))
     else:
-        print(f"{r['answered']}/{r['sent']} answered, {r['failed']} failed, in {r['wall_seconds']} s "
-              f"({args.clients} clients x {args.requests} requests, max_tokens {args.max_tokens})")
-        print(f"latency p50 {r['latency_p50_s']} s, p95 {r['latency_p95_s']} s; first token p50 {r['ttft_p50_s']} s, "
-              f"p95 {r['ttft_p95_s']} s; {r['tokens_per_second']} completion tokens/s; load average {r['load_average_1m']}")
+        print(
+            f"{r['answered']}/{r['sent']} answered, {r['failed']} failed, in {r['wall_seconds']} s "
+            f"({args.clients} clients x {args.requests} requests, max_tokens {args.max_tokens})"
+        )
+        print(
+            f"latency p50 {r['latency_p50_s']} s, p95 {r['latency_p95_s']} s; first token p50 {r['ttft_p50_s']} s, "
+            f"p95 {r['ttft_p95_s']} s; {r['tokens_per_second']} completion tokens/s; load average {r['load_average_1m']}"
+        )
     for f in r["failures"]:
         print("failed:", f, file=sys.stderr)
     return 0 if not r["failed"] and r["answered"] == r["sent"] else 1

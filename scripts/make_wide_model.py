@@ -96,8 +96,9 @@ def _kind(name: str) -> str:
     raise WidenError(f"tensor {name} is not one this construction knows how to widen (llama blocks only)")
 
 
-def _dither(values: np.ndarray, raw: np.ndarray, type_name: str, block: int, type_size: int,
-            rng: np.random.Generator) -> np.ndarray:
+def _dither(
+    values: np.ndarray, raw: np.ndarray, type_name: str, block: int, type_size: int, rng: np.random.Generator
+) -> np.ndarray:
     """values + U(-d/2, d/2) per element, d the step of the element's own block."""
     steps = raw.reshape(-1, type_size)[:, :2].copy().view(np.float16).astype(np.float32).reshape(-1)
     noise = rng.uniform(-0.5, 0.5, size=values.size).astype(np.float32)
@@ -120,8 +121,10 @@ def _base_values(t, dither: bool, seed: int) -> np.ndarray:
         if name in ("F32", "F16", "BF16"):
             return values  # stored as floats: no grid to remove
         if name not in STEP_TYPES:
-            raise WidenError(f"--dither needs the block step of {t.name}, stored as {name}: only {', '.join(sorted(STEP_TYPES))} "
-                             f"blocks carry it (dither a base in one of those types)")
+            raise WidenError(
+                f"--dither needs the block step of {t.name}, stored as {name}: only {', '.join(sorted(STEP_TYPES))} "
+                f"blocks carry it (dither a base in one of those types)"
+            )
         block, type_size = GGML_QUANT_SIZES[t.tensor_type]
         values = _dither(values, t.data, name, block, type_size, np.random.default_rng(_tensor_seed(seed, t.name)))
     return values
@@ -177,8 +180,9 @@ def _check_metadata(kvs: list, factor: int) -> str:
 
 
 # long: one pass over the file read top to bottom: metadata, tensor table, the tensors one at a time
-def write_wide(base: Path, out: Path, *, factor: int, dither: bool = False, seed: int = 0, out_type: str = "f16",
-               log=print) -> dict:
+def write_wide(
+    base: Path, out: Path, *, factor: int, dither: bool = False, seed: int = 0, out_type: str = "f16", log=print
+) -> dict:
     """Write the widened (and optionally dithered) model to `out` atomically; return what was done."""
     from gguf import GGUFValueType, GGUFWriter, Keys
 
@@ -211,7 +215,7 @@ def write_wide(base: Path, out: Path, *, factor: int, dither: bool = False, seed
             continue
         if key == Keys.General.FILE_TYPE:
             writer.add_uint32(key, ftype)
-        elif key.startswith("llama.") and key[len("llama."):] in WIDE_KEYS:
+        elif key.startswith("llama.") and key[len("llama.") :] in WIDE_KEYS:
             writer.add_key_value(key, int(value) * factor, vtype)
         elif key == Keys.General.NAME:
             text = value.decode() if isinstance(value, bytes) else str(value)
@@ -228,8 +232,9 @@ def write_wide(base: Path, out: Path, *, factor: int, dither: bool = False, seed
     writer.add_bool("edgellm.widen.dither", dither)
     writer.add_uint32("edgellm.widen.seed", seed)
     for name, kind, t, shape in plan:
-        writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, out_type),
-                               raw_dtype=_target_type(len(shape), out_type))
+        writer.add_tensor_info(
+            name, shape, np.dtype(np.float32), _nbytes(shape, out_type), raw_dtype=_target_type(len(shape), out_type)
+        )
 
     t0 = time.perf_counter()
     with atomic_path(out) as tmp:
@@ -253,8 +258,16 @@ def write_wide(base: Path, out: Path, *, factor: int, dither: bool = False, seed
             writer.close()
             src.close()
         info = read_gguf(tmp)
-    return {"path": str(out), "factor": factor, "dither": dither, "seed": seed, "type": out_type,
-            "parameters": info.parameters, "size_bytes": out.stat().st_size, "seconds": time.perf_counter() - t0}
+    return {
+        "path": str(out),
+        "factor": factor,
+        "dither": dither,
+        "seed": seed,
+        "type": out_type,
+        "parameters": info.parameters,
+        "size_bytes": out.stat().st_size,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def ppl(path: Path, *, threads: int | None = None) -> float:
@@ -266,13 +279,18 @@ def ppl(path: Path, *, threads: int | None = None) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="The construction and the check are described at the top of this script.")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="The construction and the check are described at the top of this script.",
+    )
     ap.add_argument("base", type=Path, help="a llama-architecture GGUF (the default model's Q4_1, or its F16)")
     ap.add_argument("--factor", type=int, default=2, help="how many copies of every unit (default 2)")
     ap.add_argument("--dither", action="store_true", help="first remove the base's quantization grid (+-d/2 per block)")
     ap.add_argument("--seed", type=int, default=0, help="the dither's seed (default 0)")
-    ap.add_argument("--type", dest="out_type", choices=("f16", "bf16", "f32"), default="f16", help="the output's type (default f16)")
+    ap.add_argument(
+        "--type", dest="out_type", choices=("f16", "bf16", "f32"), default="f16", help="the output's type (default f16)"
+    )
     ap.add_argument("-o", "--output", type=Path, required=True, help="the GGUF to write (atomically)")
     ap.add_argument("--no-check", action="store_true", help="skip the perplexity self-check")
     ap.add_argument("--threads", type=int, default=None)
@@ -282,32 +300,35 @@ def main(argv: list[str] | None = None) -> int:
             raise WidenError(f"no such file: {args.base}")
         if args.factor == 1 and not args.dither:
             raise WidenError("--factor 1 without --dither would copy the base; ask for a factor or --dither")
-        done = write_wide(args.base, args.output, factor=args.factor, dither=args.dither, seed=args.seed,
-                          out_type=args.out_type)
+        done = write_wide(args.base, args.output, factor=args.factor, dither=args.dither, seed=args.seed, out_type=args.out_type)
         what = f"widened x{args.factor}" + (f", dithered (seed {args.seed})" if args.dither else "")
-        print(f"[widen] wrote {args.output}: {what}, {done['parameters'] / 1e9:.3f}B parameters, "
-              f"{done['size_bytes'] / 1e9:.2f} GB {args.out_type} in {done['seconds']:.0f} s")
+        print(
+            f"[widen] wrote {args.output}: {what}, {done['parameters'] / 1e9:.3f}B parameters, "
+            f"{done['size_bytes'] / 1e9:.2f} GB {args.out_type} in {done['seconds']:.0f} s"
+        )
         if args.no_check:
             return 0
         if args.factor == 1:
             got, base_ppl = ppl(args.output, threads=args.threads), ppl(args.base, threads=args.threads)
-            print(f"[widen] dithered: PPL {got:.4f} (calibration text, 2 x 512), base {base_ppl:.4f}: "
-                  f"a different, gridless model")
+            print(
+                f"[widen] dithered: PPL {got:.4f} (calibration text, 2 x 512), base {base_ppl:.4f}: a different, gridless model"
+            )
             return 0
         # The reference is the base, dithered the same way, at factor 1 in the same type: a quantized base
         # runs other kernels (int8 activations for Q4_1), so only the same arithmetic can be held to 1e-3.
         with tempfile.TemporaryDirectory(dir=args.output.parent) as tmp:
             ref = Path(tmp) / "reference-x1.gguf"
-            write_wide(args.base, ref, factor=1, dither=args.dither, seed=args.seed, out_type=args.out_type,
-                       log=lambda m: None)
+            write_wide(args.base, ref, factor=1, dither=args.dither, seed=args.seed, out_type=args.out_type, log=lambda m: None)
             ref_ppl = ppl(ref, threads=args.threads)
         label = (f"the dithered base (x1, seed {args.seed}" if args.dither else "the base (x1") + f", {args.out_type})"
         got = ppl(args.output, threads=args.threads)
         rel = abs(got - ref_ppl) / ref_ppl
         ok = rel <= CHECK_REL
-        print(f"[widen] check: PPL {got:.4f} vs {ref_ppl:.4f} of {label} (calibration text, 2 x 512): "
-              f"relative difference {rel:.2e} {'<=' if ok else '>'} {CHECK_REL:g}: "
-              f"{'the same function' if ok else 'NOT the same function'}")
+        print(
+            f"[widen] check: PPL {got:.4f} vs {ref_ppl:.4f} of {label} (calibration text, 2 x 512): "
+            f"relative difference {rel:.2e} {'<=' if ok else '>'} {CHECK_REL:g}: "
+            f"{'the same function' if ok else 'NOT the same function'}"
+        )
         if not ok:
             os.unlink(args.output)
             print(f"error: the widened model does not compute the base's function; {args.output} removed", file=sys.stderr)

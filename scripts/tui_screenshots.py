@@ -26,6 +26,7 @@ async def shoot(out: Path) -> None:
 
     app = make_app(autorun=False, stable=True)
     async with app.run_test(size=(100, 30)) as pilot:
+
         async def save(name: str) -> None:
             await pilot.pause(0.3)
             await app.workers.wait_for_complete()  # the screens load their tables in workers
@@ -70,7 +71,11 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as home:
         os.environ["EDGELLM_HOME"] = home
-        subprocess.run([sys.executable, "-m", "edgellm.cli", "pull", "smollm2-135m-instruct", "--no-progress"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "edgellm.cli", "pull", "smollm2-135m-instruct", "--no-progress"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         sys.path.insert(0, str(ROOT))
         asyncio.run(shoot(out))
     return 0

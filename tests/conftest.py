@@ -28,7 +28,14 @@ def edgellm_home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("EDGELLM_HOME", str(home))
     monkeypatch.setenv("EDGELLM_CACHE", str(shared_cache()))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    for var in ("HF_HUB_OFFLINE", "EDGELLM_OFFLINE", "HF_TOKEN", "HF_ENDPOINT", "EDGELLM_SELFTEST_CRASH", "EDGELLM_FAKE_FREE_BYTES"):
+    for var in (
+        "HF_HUB_OFFLINE",
+        "EDGELLM_OFFLINE",
+        "HF_TOKEN",
+        "HF_ENDPOINT",
+        "EDGELLM_SELFTEST_CRASH",
+        "EDGELLM_FAKE_FREE_BYTES",
+    ):
         monkeypatch.delenv(var, raising=False)
     return home
 
@@ -63,7 +70,9 @@ def tiny_f32(tmp_path_factory) -> Path:
     """A genuinely float F32 llama (1.4M parameters, one token per byte): milliseconds a chunk."""
     from support.gguf_files import write_tiny_llama
 
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-f32.gguf", dtype="f32", peaked=True, tokenizer="gpt2", n_ctx=1024)
+    return write_tiny_llama(
+        tmp_path_factory.mktemp("tiny") / "tiny-f32.gguf", dtype="f32", peaked=True, tokenizer="gpt2", n_ctx=1024
+    )
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from support.gguf_files import write_stub_gguf
 from support.helpers import DEFAULT_NAME, assert_one_line_error
+
 SMALL = ("--pp", "64", "--tg", "16", "-r", "2", "--threads", "1", "--no-progress")
 
 
@@ -40,8 +41,23 @@ def test_json_rows_use_llama_bench_fields(cli, default_model, edgellm_home):
     rows = res.json()
     assert [r["test"] for r in rows] == ["pp64", "tg16"]
     for r in rows:
-        for key in ("model_filename", "n_prompt", "n_gen", "n_threads", "avg_ts", "stddev_ts", "test", "rss_bytes",
-                    "file_backed_bytes", "anon_bytes", "kv_bytes", "load_seconds", "ttft_seconds", "samples_ns", "samples_ts"):
+        for key in (
+            "model_filename",
+            "n_prompt",
+            "n_gen",
+            "n_threads",
+            "avg_ts",
+            "stddev_ts",
+            "test",
+            "rss_bytes",
+            "file_backed_bytes",
+            "anon_bytes",
+            "kv_bytes",
+            "load_seconds",
+            "ttft_seconds",
+            "samples_ns",
+            "samples_ts",
+        ):
             assert key in r, key
         assert r["model"] == DEFAULT_NAME and r["model_type"] == "q4_1"
         assert Path(r["model_filename"]) == default_model.path
@@ -101,7 +117,9 @@ def test_memory_split_q8_0_mmap_vs_no_mmap(q8_gguf):
     assert tg.anon_bytes < 0.5 * size
     assert tg.rss_bytes >= tg.file_backed_bytes + tg.anon_bytes
 
-    rows = bench([q8_gguf], pp=64, tg=16, repetitions=1, threads=1, n_ctx=1024, use_mmap=False, measure_bandwidth=False, save=False)
+    rows = bench(
+        [q8_gguf], pp=64, tg=16, repetitions=1, threads=1, n_ctx=1024, use_mmap=False, measure_bandwidth=False, save=False
+    )
     tg2 = rows[1]
     # no mmap: the split flips; the weights are private anonymous memory, nothing of the file stays mapped
     assert tg2.anon_bytes >= size, (tg2.anon_bytes, size)
@@ -178,7 +196,16 @@ def test_cancel_stops_the_child(default_gguf):
 
     before = {c.pid for c in psutil.Process().children()}
     with pytest.raises(Cancelled):
-        bench([default_gguf], pp=16, tg=512, repetitions=50, threads=1, measure_bandwidth=False, on_progress=on_progress, cancel=token)
+        bench(
+            [default_gguf],
+            pp=16,
+            tg=512,
+            repetitions=50,
+            threads=1,
+            measure_bandwidth=False,
+            on_progress=on_progress,
+            cancel=token,
+        )
     assert seen
     left = []
     for c in psutil.Process().children():

@@ -54,8 +54,7 @@ def _edgellm(home: Path, *args: str) -> object:
     import os
 
     env = dict(os.environ, EDGELLM_HOME=str(home))
-    proc = subprocess.run([sys.executable, "-m", "edgellm.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=3600)
+    proc = subprocess.run([sys.executable, "-m", "edgellm.cli", *args], env=env, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout) if "--json" in args else proc.stdout
 
@@ -65,21 +64,54 @@ def test_budget_beats_imatrix_q4_k_m_on_the_gridless_base(default_gguf, llama_to
     """--budget at the size of llama-quantize --imatrix Q4_K_M: a lower mean KLD, on a base with no grid."""
     home = tmp_path / "home"
     gridless = tmp_path / "gridless-135m-f16.gguf"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_wide_model.py"), str(default_gguf), "--factor",
-                           "1", "--dither", "-o", str(gridless)], capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "make_wide_model.py"),
+            str(default_gguf),
+            "--factor",
+            "1",
+            "--dither",
+            "-o",
+            str(gridless),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     _edgellm(home, "import", str(gridless), "--name", "gl-f16", "--link")
     im = _edgellm(home, "imatrix", "gl-f16", "--threads", "2", "--json", "--no-progress")["file"]  # the shipped text
     ref = tmp_path / "ref-q4_k_m.gguf"
-    proc = subprocess.run([str(llama_tools / "llama-quantize"), "--imatrix", im, str(gridless), str(ref), "Q4_K_M", "2"],
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [str(llama_tools / "llama-quantize"), "--imatrix", im, str(gridless), str(ref), "Q4_K_M", "2"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     _edgellm(home, "import", str(ref), "--name", "gl-q4_k_m-imat")
     size = ref.stat().st_size
-    out = _edgellm(home, "quantize", "gl-f16", "--budget", str(size), "--imatrix", im, "--threads", "2", "--json",
-                   "--no-progress")[0]
+    out = _edgellm(
+        home, "quantize", "gl-f16", "--budget", str(size), "--imatrix", im, "--threads", "2", "--json", "--no-progress"
+    )[0]
     assert out["size_bytes"] <= size
-    rep = _edgellm(home, "eval", "gl-f16", "--levels", f"gl-q4_k_m-imat,{out['name']}", "--text", str(wikitext),
-                   "--ctx", "512", "--chunks", str(EVAL_CHUNKS), "--threads", "2", "--json", "--no-progress")
+    rep = _edgellm(
+        home,
+        "eval",
+        "gl-f16",
+        "--levels",
+        f"gl-q4_k_m-imat,{out['name']}",
+        "--text",
+        str(wikitext),
+        "--ctx",
+        "512",
+        "--chunks",
+        str(EVAL_CHUNKS),
+        "--threads",
+        "2",
+        "--json",
+        "--no-progress",
+    )
     kld = {lv["name"]: lv["kld_mean"] for lv in rep["levels"]}
     assert kld[out["name"]] < kld["gl-q4_k_m-imat"], kld

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 from support.gguf_files import write_stub_gguf
-from support.helpers import DEFAULT_ENTRY, DEFAULT_NAME, DEFAULT_SHA256, DEFAULT_SIZE, assert_one_line_error, store_snapshot, tamper_manifest
+from support.helpers import (
+    DEFAULT_ENTRY,
+    DEFAULT_NAME,
+    DEFAULT_SHA256,
+    DEFAULT_SIZE,
+    assert_one_line_error,
+    store_snapshot,
+    tamper_manifest,
+)
 
 
 def sha256(p: Path) -> str:
@@ -75,7 +83,12 @@ def test_export_import_round_trip_into_a_fresh_home(default_model, tiny_models, 
         rec = store.get(name)
         assert rec.sha256 == old[name].sha256 == sha256(rec.path)
         assert rec.path.is_relative_to(home)  # copied into the new store, not referenced
-        assert (rec.level, rec.parent, rec.catalog, rec.parameters) == (old[name].level, old[name].parent, old[name].catalog, old[name].parameters)
+        assert (rec.level, rec.parent, rec.catalog, rec.parameters) == (
+            old[name].level,
+            old[name].parent,
+            old[name].catalog,
+            old[name].parameters,
+        )
         store.verify(name)
     res = cli("inspect", DEFAULT_NAME, "--json")
     assert res.exit_code == 0 and res.json()["architecture"] == "llama"
@@ -128,19 +141,22 @@ def test_rewritten_manifest_still_needs_a_valid_gguf(tiny_models, cli, tmp_path,
     assert not list(home.rglob("*.gguf")) and not list(home.rglob("*.partial"))
 
 
-@pytest.mark.parametrize("field,value,expect", [
-    ("path", "../../etc/evil.gguf", "unsafe"),
-    ("path", "/etc/evil.gguf", "unsafe"),
-    ("path", "m/evil\x00.gguf", "unsafe"),
-    ("path", "m/" + "a" * 300 + ".gguf", "unsafe"),
-    ("path", "m\\..\\evil.gguf", "unsafe"),
-    ("path", "m/./x.gguf", "unsafe"),
-    ("name", "../escape", "invalid model name"),
-    ("name", "x" * 200, "invalid model name"),
-    ("name", "a/b", "invalid model name"),
-    ("sha256", "not-a-hash", "no valid sha256"),
-    ("size", -1, "no valid size"),
-])
+@pytest.mark.parametrize(
+    "field,value,expect",
+    [
+        ("path", "../../etc/evil.gguf", "unsafe"),
+        ("path", "/etc/evil.gguf", "unsafe"),
+        ("path", "m/evil\x00.gguf", "unsafe"),
+        ("path", "m/" + "a" * 300 + ".gguf", "unsafe"),
+        ("path", "m\\..\\evil.gguf", "unsafe"),
+        ("path", "m/./x.gguf", "unsafe"),
+        ("name", "../escape", "invalid model name"),
+        ("name", "x" * 200, "invalid model name"),
+        ("name", "a/b", "invalid model name"),
+        ("sha256", "not-a-hash", "no valid sha256"),
+        ("size", -1, "no valid size"),
+    ],
+)
 def test_unsafe_manifests_are_refused(tiny_models, cli, tmp_path, monkeypatch, field, value, expect):
     bundle = tmp_path / "bundle"
     assert cli("export", "tiny-q8_0", "--to", bundle).exit_code == 0

@@ -10,7 +10,7 @@ from support.helpers import ROOT, assert_one_line_error
 from edgellm.errors import CatalogError
 from edgellm.models.catalog import load_catalog, parse_ref
 
-GOOD = '''
+GOOD = """
 [[model]]
 name = "Tiny-Chat"
 display = "Tiny Chat"
@@ -39,15 +39,18 @@ repo = "edge/other-GGUF"
 [model.files]
 q5_k_m = "other-Q5_K_M.gguf"
 q4_k_m = "other-Q4_K_M.gguf"
-'''
+"""
 
 
-@pytest.mark.parametrize("ref, want", [
-    ("smollm2-135m-instruct", ("smollm2-135m-instruct", None)),
-    ("qwen2.5-1.5b-instruct:Q5_K_M", ("qwen2.5-1.5b-instruct", "q5_k_m")),
-    ("name:", ("name", None)),
-    ("name:q8_0", ("name", "q8_0")),
-])
+@pytest.mark.parametrize(
+    "ref, want",
+    [
+        ("smollm2-135m-instruct", ("smollm2-135m-instruct", None)),
+        ("qwen2.5-1.5b-instruct:Q5_K_M", ("qwen2.5-1.5b-instruct", "q5_k_m")),
+        ("name:", ("name", None)),
+        ("name:q8_0", ("name", "q8_0")),
+    ],
+)
 def test_parse_ref(ref, want):
     assert parse_ref(ref) == want
 
@@ -74,16 +77,24 @@ def test_good_catalog(tmp_path):
         cat.get("nope")
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("[[model]\nname = 'x'", "is not valid TOML"),
-    ("[[model]]\nrepo = 'edge/x'\n", "entry 1 is malformed ('name')"),
-    (GOOD + "\n[[model]]\nname = 'bad'\n[model.files]\nq8_0 = '../escape.gguf'\n", "entry 3 is malformed (unsafe filename '../escape.gguf')"),
-    ("[[model]]\nname = 'abs'\n[model.files]\nq8_0 = '/etc/passwd'\n", "unsafe filename"),
-    ("[[model]]\nname = 'bad/name'\n", "entry 1:"),
-    ("[[model]]\nname = 'p'\n[model.package]\nrequirement = 'x==1'\nmember = 'a.gguf'\nlevel = 'q4_1'\nsize_bytes = 1\n",
-     "entry 1 is malformed ('sha256')"),
-    ("[[model]]\nname = 'n'\nparameters = 'many'\n", "entry 1 is malformed"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("[[model]\nname = 'x'", "is not valid TOML"),
+        ("[[model]]\nrepo = 'edge/x'\n", "entry 1 is malformed ('name')"),
+        (
+            GOOD + "\n[[model]]\nname = 'bad'\n[model.files]\nq8_0 = '../escape.gguf'\n",
+            "entry 3 is malformed (unsafe filename '../escape.gguf')",
+        ),
+        ("[[model]]\nname = 'abs'\n[model.files]\nq8_0 = '/etc/passwd'\n", "unsafe filename"),
+        ("[[model]]\nname = 'bad/name'\n", "entry 1:"),
+        (
+            "[[model]]\nname = 'p'\n[model.package]\nrequirement = 'x==1'\nmember = 'a.gguf'\nlevel = 'q4_1'\nsize_bytes = 1\n",
+            "entry 1 is malformed ('sha256')",
+        ),
+        ("[[model]]\nname = 'n'\nparameters = 'many'\n", "entry 1 is malformed"),
+    ],
+)
 def test_bad_catalog_is_one_clear_error(tmp_path, text, needle):
     path = tmp_path / "models.toml"
     path.write_text(text)

@@ -44,10 +44,16 @@ def _copy_gguf(src: Path, dst: Path, *, template: str | None) -> Path:
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     writer = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
     for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF.") or field.name == gguf.Keys.Tokenizer.CHAT_TEMPLATE:
+        if (
+            field.name == gguf.Keys.General.ARCHITECTURE
+            or field.name.startswith("GGUF.")
+            or field.name == gguf.Keys.Tokenizer.CHAT_TEMPLATE
+        ):
             continue
         vt = field.types[0]
-        writer.add_key_value(field.name, field.contents(), vt, sub_type=field.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+        writer.add_key_value(
+            field.name, field.contents(), vt, sub_type=field.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
+        )
     if template is not None:
         writer.add_chat_template(template)
     for t in reader.tensors:
@@ -92,7 +98,12 @@ def rt(default_gguf):
 
 def test_three_turns_evaluate_only_new_tokens(rt):
     rt.reset()
-    s = ChatSession(rt, Conversation(system="You answer in one short sentence."), SamplingParams(max_tokens=40, seed=7, temperature=0.3), history=False)
+    s = ChatSession(
+        rt,
+        Conversation(system="You answer in one short sentence."),
+        SamplingParams(max_tokens=40, seed=7, temperature=0.3),
+        history=False,
+    )
     questions = ["What is the capital of France?", "And the capital of Italy?", "Which of the two is larger?"]
     evaluated, prompts, stops, generated = [], [], [], []
     try:
@@ -119,7 +130,12 @@ def test_three_turns_evaluate_only_new_tokens(rt):
 
 
 def test_reply_cut_by_stop_string_reuses_kv_up_to_the_cut(rt):
-    s = ChatSession(rt, Conversation(system="You answer in one short sentence."), SamplingParams(max_tokens=60, temperature=0.0, stop=[" is "]), history=False)
+    s = ChatSession(
+        rt,
+        Conversation(system="You answer in one short sentence."),
+        SamplingParams(max_tokens=60, temperature=0.0, stop=[" is "]),
+        history=False,
+    )
     try:
         first = s.ask("What is the capital of France?")  # greedy: "The capital of France is Paris."
         assert s.last_stats.stop_reason == "stop" and " is " not in first, first
@@ -127,7 +143,10 @@ def test_reply_cut_by_stop_string_reuses_kv_up_to_the_cut(rt):
         s.ask("Thanks.")
         st = s.last_stats
         # Only the text after the cut is new: end-of-turn, the user message, the assistant header.
-        assert st.evaluated_prompt_tokens <= len(rt.tokenize("<|im_end|>\n<|im_start|>user\nThanks.<|im_end|>\n<|im_start|>assistant\n", add_bos=False)) + 1
+        assert (
+            st.evaluated_prompt_tokens
+            <= len(rt.tokenize("<|im_end|>\n<|im_start|>user\nThanks.<|im_end|>\n<|im_start|>assistant\n", add_bos=False)) + 1
+        )
         assert st.reused_tokens >= p1
     finally:
         s.close()
@@ -156,7 +175,13 @@ def test_cancel_mid_reply_keeps_session_usable(rt):
 def test_context_full_drops_oldest_turns_keeps_system(default_gguf):
     warnings = []
     r = Runtime(default_gguf, RuntimeOptions(n_ctx=256, n_threads=1))
-    s = ChatSession(r, Conversation(system="SYSTEM-MARKER: be brief."), SamplingParams(max_tokens=12, seed=1), history=False, warn=warnings.append)
+    s = ChatSession(
+        r,
+        Conversation(system="SYSTEM-MARKER: be brief."),
+        SamplingParams(max_tokens=12, seed=1),
+        history=False,
+        warn=warnings.append,
+    )
     try:
         dropped = 0
         for i in range(8):
@@ -184,7 +209,13 @@ def test_json_schema_extraction_ten_seeds(rt):
     c = from_json_schema(json.dumps(PERSON_SCHEMA))
     values = []
     for seed in range(10):
-        s = ChatSession(rt, Conversation(system="Extract the person as JSON."), SamplingParams(max_tokens=80, seed=seed, temperature=0.9), constraint=c, history=False)
+        s = ChatSession(
+            rt,
+            Conversation(system="Extract the person as JSON."),
+            SamplingParams(max_tokens=80, seed=seed, temperature=0.9),
+            constraint=c,
+            history=False,
+        )
         try:
             reply = s.ask("Marie Curie, 36 years old, lives in Paris.")
         finally:
@@ -254,14 +285,17 @@ def test_history_cli_list_export_delete(cli, default_model, tmp_path):
 # -- templates -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("source, needle", [
-    ("{{ ''.__class__.__mro__ }}", "unsafe"),
-    ("{{ cycler.__init__.__globals__ }}", "unsafe"),
-    ("{% include '/etc/passwd' %}", "no loader"),
-    ("{{ messages.append(1) }}", "unsafe"),
-    ("{{ 'x' * 10**10 }}", "too large"),
-    ("{{ raise_exception('no system role') }}", "no system role"),
-])
+@pytest.mark.parametrize(
+    "source, needle",
+    [
+        ("{{ ''.__class__.__mro__ }}", "unsafe"),
+        ("{{ cycler.__init__.__globals__ }}", "unsafe"),
+        ("{% include '/etc/passwd' %}", "no loader"),
+        ("{{ messages.append(1) }}", "unsafe"),
+        ("{{ 'x' * 10**10 }}", "too large"),
+        ("{{ raise_exception('no system role') }}", "no system role"),
+    ],
+)
 def test_hostile_templates_are_contained(source, needle):
     with ChatTemplate(source, timeout=5) as t, pytest.raises(TemplateError, match=needle) as e:
         t.render([{"role": "user", "content": "hi"}])
@@ -286,7 +320,9 @@ def test_hostile_template_in_a_model_through_the_cli(cli, default_gguf, tmp_path
     assert_one_line_error(res)
     assert "chat template error" in res.stderr and "unsafe" in res.stderr
     monkeypatch.setenv("EDGELLM_TEMPLATE_TIMEOUT", "1")
-    loop = _with_template(default_gguf, tmp_path / "loop.gguf", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    loop = _with_template(
+        default_gguf, tmp_path / "loop.gguf", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    )
     res = cli("chat", loop, "-p", "hi", *T1)
     assert_one_line_error(res)
     assert "did not finish rendering" in res.stderr
@@ -316,7 +352,20 @@ def test_one_shot_streams_reply_and_reports_tokens_per_second(cli, default_model
 def test_one_shot_json(cli, default_model, tmp_path):
     schema = tmp_path / "person.json"
     schema.write_text(json.dumps(PERSON_SCHEMA))
-    res = cli("chat", DEFAULT_NAME, "-p", "Bob is 40 and lives in Nice.", "--json-schema", schema, "--json", "--seed", "1", "--max-tokens", "80", *T1)
+    res = cli(
+        "chat",
+        DEFAULT_NAME,
+        "-p",
+        "Bob is 40 and lives in Nice.",
+        "--json-schema",
+        schema,
+        "--json",
+        "--seed",
+        "1",
+        "--max-tokens",
+        "80",
+        *T1,
+    )
     assert res.exit_code == 0, res
     d = res.json()
     assert d["messages"][-1]["role"] == "assistant" and d["reply"] == d["messages"][-1]["content"]
@@ -390,8 +439,26 @@ def test_interactive_save_and_load(cli, default_model, tmp_path):
 def test_ctrl_c_stops_the_reply_not_the_program(default_model):
     """A real SIGINT to a real `edgellm chat` process in the middle of a reply."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "edgellm.cli", "chat", DEFAULT_NAME, "--max-tokens", "400", "--seed", "1", "--temperature", "1.0", *T1],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "edgellm.cli",
+            "chat",
+            DEFAULT_NAME,
+            "--max-tokens",
+            "400",
+            "--seed",
+            "1",
+            "--temperature",
+            "1.0",
+            *T1,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     try:
         proc.stdin.write(b"Write a very long story about the sea.\n")
         proc.stdin.flush()

@@ -50,7 +50,9 @@ def test_f16_tensors_equal_llama_cpps_own_dequantization(f16_session, default_gg
     ours = {t.name: t for t in GGUFReader(result.path).tensors}
     theirs = {t.name: t for t in GGUFReader(ref).tensors}
     assert set(ours) == set(theirs)
-    differing = [n for n in ours if ours[n].tensor_type != theirs[n].tensor_type or not np.array_equal(ours[n].data, theirs[n].data)]
+    differing = [
+        n for n in ours if ours[n].tensor_type != theirs[n].tensor_type or not np.array_equal(ours[n].data, theirs[n].data)
+    ]
     assert differing == []
 
 
@@ -78,13 +80,7 @@ def test_convert_cli_refuses_existing_output_and_lists_lineage(cli, f16_model, e
     assert models[F16_NAME]["parent"] == DEFAULT_NAME and models[F16_NAME]["level"] == "f16"
 
 
-@pytest.mark.parametrize(
-    "args, needle",
-    [
-        (["--to", "q4_0"], "f16, bf16 or f32"),
-        (["--to", "f17"], "unknown level"),
-    ],
-)
+@pytest.mark.parametrize("args, needle", [(["--to", "q4_0"], "f16, bf16 or f32"), (["--to", "f17"], "unknown level")])
 def test_convert_bad_target(cli, default_model, edgellm_home, args, needle):
     assert_refused(cli, edgellm_home, "convert", DEFAULT_NAME, *args, says=needle)
 

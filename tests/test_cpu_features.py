@@ -27,8 +27,10 @@ EXPECTED: dict[str, tuple[list[str], str]] = {  # file -> (features, best portab
     "zen4-epyc-9654": (_SKX + ["AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"], "zen4"),
     "skylakex-xeon-gold-6148": (_SKX, "skylakex"),
     "icelake-xeon-platinum-8380": (_SKX + ["AVX512_VBMI", "AVX512_VNNI"], "icelake"),
-    "sapphirerapids-xeon-platinum-8480": (_AVX2 + ["AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16",
-                                           "AMX_TILE", "AMX_INT8", "AMX_BF16"], "sapphirerapids"),
+    "sapphirerapids-xeon-platinum-8480": (
+        _AVX2 + ["AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AMX_TILE", "AMX_INT8", "AMX_BF16"],
+        "sapphirerapids",
+    ),
     "alderlake-core-i7-12700k": (_AVX2 + ["AVX_VNNI"], "alderlake"),
     "sse42-xeon-x5570": (["SSE3", "SSSE3", "SSE42"], "sse42"),
     "arm64-graviton2-neoverse-n1": (["NEON", "ARM_FMA", "DOTPROD", "FP16_VA"], ""),
@@ -45,9 +47,14 @@ def recorded(name: str) -> cpu_features.HostFlags:
 
 def shell_cmake_args(name: str) -> str:
     """scripts/_cpu_flags.sh's arguments for the CPU of a recorded dump (what setup.sh would build)."""
-    proc = subprocess.run(["bash", "-c", 'source scripts/_cpu_flags.sh && edgellm_cpu_build_args'], cwd=ROOT,
-                          env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "EDGELLM_CPUINFO": str(DATA / f"{name}.txt")},
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        ["bash", "-c", "source scripts/_cpu_flags.sh && edgellm_cpu_build_args"],
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "EDGELLM_CPUINFO": str(DATA / f"{name}.txt")},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return proc.stdout.strip()
 
 
@@ -78,7 +85,8 @@ def test_the_avx2_build_arguments_and_so_the_wheel_cache_key_are_unchanged():
     assert shell_cmake_args("zen2-epyc-7742") == (
         "-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF "
         "-DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
-        "-DGGML_AMX_BF16=OFF")
+        "-DGGML_AMX_BF16=OFF"
+    )
 
 
 def test_avx512_vbmi_is_read_in_the_kernels_spelling():
@@ -111,8 +119,10 @@ def test_zen2s_sme_is_not_arms_sme():
 def test_an_avx512_bundle_is_refused_on_an_avx2_cpu_naming_each_missing_flag():
     needs = cpu_features.needs_of_cmake_args(shell_cmake_args("zen4-epyc-9654"))
     lack = cpu_features.missing(needs, recorded("zen2-epyc-7742"))
-    assert ", ".join(f.label() for f in lack) == \
-        "AVX512 (avx512f), AVX512_VBMI (avx512vbmi), AVX512_VNNI (avx512_vnni), AVX512_BF16 (avx512_bf16)"
+    assert (
+        ", ".join(f.label() for f in lack)
+        == "AVX512 (avx512f), AVX512_VBMI (avx512vbmi), AVX512_VNNI (avx512_vnni), AVX512_BF16 (avx512_bf16)"
+    )
 
 
 def test_the_check_runs_by_path_as_the_installer_runs_it():

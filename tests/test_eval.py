@@ -42,8 +42,23 @@ def smol_eval(smol_env, wikitext, tmp_path_factory):
     assert conv.returncode == 0, conv.stderr
     base = json.loads(conv.stdout)["name"]
     plot = out / "quality.png"
-    proc = _run(smol_env, "eval", base, "--levels", ",".join(LEVELS), "--text", wikitext, "--ctx", CTX, "--chunks", CHUNKS,
-                "--plot", plot, "--json", "--no-progress")
+    proc = _run(
+        smol_env,
+        "eval",
+        base,
+        "--levels",
+        ",".join(LEVELS),
+        "--text",
+        wikitext,
+        "--ctx",
+        CTX,
+        "--chunks",
+        CHUNKS,
+        "--plot",
+        plot,
+        "--json",
+        "--no-progress",
+    )
     assert proc.returncode == 0, proc.stderr
     return {"report": json.loads(proc.stdout), "stderr": proc.stderr, "plot": plot, "base_path": json.loads(conv.stdout)["path"]}
 
@@ -56,15 +71,23 @@ def llama_kld(smol_eval, llama_tools, wikitext, tmp_path_factory):
     base_file = tmp_path_factory.mktemp("kld") / "base.kld"
     common = ["-f", str(wikitext), "-c", str(CTX), "-b", "2048", "--chunks", str(CHUNKS), "-t", t]
     tool = str(llama_tools / "llama-perplexity")
-    proc = subprocess.run([tool, "-m", smol_eval["base_path"], *common, "--kl-divergence-base", str(base_file)],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [tool, "-m", smol_eval["base_path"], *common, "--kl-divergence-base", str(base_file)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     m = re.search(r"Final estimate: PPL = ([\d.]+)", proc.stdout + proc.stderr)
     assert m, (proc.stdout + proc.stderr)[-1500:]
     out = {"base_ppl": float(m.group(1))}
     paths = {lv["level"]: lv["path"] for lv in smol_eval["report"]["levels"]}
     for level in ("q8_0", "q4_0"):
-        proc = subprocess.run([tool, "-m", paths[level], *common, "--kl-divergence-base", str(base_file), "--kl-divergence"],
-                              capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            [tool, "-m", paths[level], *common, "--kl-divergence-base", str(base_file), "--kl-divergence"],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         text = proc.stdout + proc.stderr
         kld = re.search(r"Mean\s+KLD:\s+([\d.]+)", text)
         top = re.search(r"Same top p:\s+([\d.]+)", text)
@@ -76,7 +99,12 @@ def llama_kld(smol_eval, llama_tools, wikitext, tmp_path_factory):
 
 def test_eval_equals_llama_perplexity(smol_eval, llama_kld):
     r = smol_eval["report"]
-    print("llama-perplexity:", llama_kld, "edgellm:", {lv["level"]: (lv["ppl"], lv["kld_mean"], lv["same_top_p"]) for lv in r["levels"]})
+    print(
+        "llama-perplexity:",
+        llama_kld,
+        "edgellm:",
+        {lv["level"]: (lv["ppl"], lv["kld_mean"], lv["same_top_p"]) for lv in r["levels"]},
+    )
     assert abs(r["base_ppl"] / llama_kld["base_ppl"] - 1) < 5e-4, (r["base_ppl"], llama_kld["base_ppl"])
     by = {lv["level"]: lv for lv in r["levels"]}
     for level in ("q8_0", "q4_0"):
@@ -116,7 +144,21 @@ def test_eval_report_on_the_default_model(smol_eval, smol_env):
 def test_eval_reuses_quantized_levels_and_base_logprobs(smol_eval, smol_env, wikitext):
     r = smol_eval["report"]
     before = {m["name"] for m in json.loads(_run(smol_env, "models", "list", "--local", "--json").stdout)["models"]}
-    proc = _run(smol_env, "eval", r["base"], "--levels", "q8_0", "--text", wikitext, "--ctx", CTX, "--chunks", CHUNKS, "--json", "--no-progress")
+    proc = _run(
+        smol_env,
+        "eval",
+        r["base"],
+        "--levels",
+        "q8_0",
+        "--text",
+        wikitext,
+        "--ctx",
+        CTX,
+        "--chunks",
+        CHUNKS,
+        "--json",
+        "--no-progress",
+    )
     assert proc.returncode == 0, proc.stderr
     after = {m["name"] for m in json.loads(_run(smol_env, "models", "list", "--local", "--json").stdout)["models"]}
     assert before == after  # nothing quantized again
@@ -172,8 +214,20 @@ def test_recommend_without_results_is_one_line_error(cli):
 def test_float_base_orders_levels_by_precision(cli, tmp_path):
     base = write_tiny_llama(tmp_path / "tiny-f32.gguf", dtype="f32", peaked=True, tokenizer="gpt2", seed=1)
     assert cli("import", base, "--name", "tiny-f32", "--json").exit_code == 0
-    res = cli("eval", "tiny-f32", "--levels", ",".join(LEVELS), "--corpus", "python-docs", "--ctx", "256", "--chunks", "8",
-              "--json", "--no-progress")
+    res = cli(
+        "eval",
+        "tiny-f32",
+        "--levels",
+        ",".join(LEVELS),
+        "--corpus",
+        "python-docs",
+        "--ctx",
+        "256",
+        "--chunks",
+        "8",
+        "--json",
+        "--no-progress",
+    )
     assert res.exit_code == 0, res
     d = res.json()
     kld = {lv["level"]: lv["kld_mean"] for lv in d["levels"]}
@@ -213,9 +267,30 @@ def test_plot_needs_png_suffix_and_base_lineage_from_name(tmp_path):
     from edgellm.models.resolve import Resolved
     from quant.evaluate import EvalReport, lineage_warning, write_plot
 
-    rep = EvalReport(base="b", base_path="b", base_level="f16", base_size_bytes=1, base_bpw=16, base_ppl=10, base_ppl_err=1,
-                     base_tokens_per_second=1, parameters=1, kv_bytes_per_token=1, corpus="c", corpus_sha256="", ctx=128, chunks=2,
-                     n_tokens_scored=1, batch=1, threads=1, topk=1, tail_samples=1, machine="m", created=0, levels=[])
+    rep = EvalReport(
+        base="b",
+        base_path="b",
+        base_level="f16",
+        base_size_bytes=1,
+        base_bpw=16,
+        base_ppl=10,
+        base_ppl_err=1,
+        base_tokens_per_second=1,
+        parameters=1,
+        kv_bytes_per_token=1,
+        corpus="c",
+        corpus_sha256="",
+        ctx=128,
+        chunks=2,
+        n_tokens_scored=1,
+        batch=1,
+        threads=1,
+        topk=1,
+        tail_samples=1,
+        machine="m",
+        created=0,
+        levels=[],
+    )
     with pytest.raises(UsageError):
         write_plot(rep, tmp_path / "x.jpg")
 

@@ -22,13 +22,18 @@ THREE_TURNS = [
     {"role": "assistant", "content": "Blue."},
     {"role": "user", "content": "And grass?"},
     {"role": "assistant", "content": "Green."},
-    {"role": "user", "content": "And snow? {{ not a template }} \"quoted\""},
+    {"role": "user", "content": 'And snow? {{ not a template }} "quoted"'},
 ]
 
 
 def go_render(modelfile: Path, messages: list[dict]) -> str:
-    proc = subprocess.run(["bash", str(RENDER), str(modelfile)], input=json.dumps({"messages": messages}),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", str(RENDER), str(modelfile)],
+        input=json.dumps({"messages": messages}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -49,7 +54,9 @@ def test_ollama_export_renders_with_go_like_edgellm(cli, default_model, tmp_path
     assert _sha(gguf) == _sha(default_model.path) == info["sha256"]
     text = modelfile.read_text()
     assert check_modelfile(text) == []  # only Ollama's documented directives and parameters
-    directives = {ln.split()[0] for ln in text.splitlines() if ln.strip() and not ln.startswith(("#", " ")) and ln.split()[0].isupper()}
+    directives = {
+        ln.split()[0] for ln in text.splitlines() if ln.strip() and not ln.startswith(("#", " ")) and ln.split()[0].isupper()
+    }
     assert {"FROM", "TEMPLATE", "PARAMETER"} <= directives
     assert f"FROM ./{gguf.name}" in text and 'PARAMETER stop "<|im_end|>"' in text and "PARAMETER num_ctx 4096" in text
     assert "PARAMETER temperature 0.8" in text and "PARAMETER top_k 40" in text
@@ -85,12 +92,16 @@ def test_a_template_that_is_not_one_wrapper_per_role_is_refused():
     from edgellm.chat.template import ChatTemplate
     from edgellm.errors import UsageError
 
-    numbered = ("{% for m in messages %}[{{ loop.index }}] {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant:{% endif %}")
+    numbered = (
+        "{% for m in messages %}[{{ loop.index }}] {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     with ChatTemplate(numbered) as t, pytest.raises(UsageError, match="not one wrapper per role|differently"):
         infer_pieces(lambda msgs, gen: t.render(msgs, add_generation_prompt=gen), name="numbered")
-    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    chatml = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     with ChatTemplate(chatml) as t:
         pieces = infer_pieces(lambda msgs, gen: t.render(msgs, add_generation_prompt=gen))
         assert pieces.default_system == "" and pieces.user == ("<|im_start|>user\n", "<|im_end|>\n")

@@ -7,7 +7,15 @@ import subprocess
 import sys
 
 import pytest
-from support.helpers import DEFAULT_NAME, DEFAULT_REF, DEFAULT_SHA256, DEFAULT_SIZE, DEFAULT_SOURCE, assert_one_line_error, store_snapshot
+from support.helpers import (
+    DEFAULT_NAME,
+    DEFAULT_REF,
+    DEFAULT_SHA256,
+    DEFAULT_SIZE,
+    DEFAULT_SOURCE,
+    assert_one_line_error,
+    store_snapshot,
+)
 
 
 def test_pull_default_registers_verified_model(default_gguf, cli):

@@ -45,9 +45,26 @@ def test_mutation_families_are_all_generated(tmp_path):
 
     data = write_tiny_llama(tmp_path / "t.gguf").read_bytes()
     names = " ".join(c.name for c in fuzz.mutations("tiny", data, random.Random(0)))
-    for family in ("truncate@", "magic=", "version=", "tensor_count=", "kv_count=", "strlen-past-eof", "arraylen-past-eof",
-                   "ndims=", "dim0=", "type=99", "offset-past-eof", "offset-misaligned", "llama.block_count=0",
-                   "llama.block_count=999", "llama.embedding_length=", "llama.attention.head_count=", "nan:", "inf:"):
+    for family in (
+        "truncate@",
+        "magic=",
+        "version=",
+        "tensor_count=",
+        "kv_count=",
+        "strlen-past-eof",
+        "arraylen-past-eof",
+        "ndims=",
+        "dim0=",
+        "type=99",
+        "offset-past-eof",
+        "offset-misaligned",
+        "llama.block_count=0",
+        "llama.block_count=999",
+        "llama.embedding_length=",
+        "llama.attention.head_count=",
+        "nan:",
+        "inf:",
+    ):
         assert family in names, family
     assert len(fuzz.mutations("tiny", data, random.Random(0))) > 300
 
@@ -60,8 +77,11 @@ def test_block_count_lies_are_caught_before_llama_cpp(value, default_gguf, tmp_p
 
     with open(default_gguf, "rb") as fh:
         head = fh.read(4 << 20)
-    cases = [c for c in fuzz.mutations("default", head, random.Random(0), file_size=default_gguf.stat().st_size)
-             if c.name == f"default:llama.block_count={value}"]
+    cases = [
+        c
+        for c in fuzz.mutations("default", head, random.Random(0), file_size=default_gguf.stat().st_size)
+        if c.name == f"default:llama.block_count={value}"
+    ]
     assert len(cases) == 1
     f = fuzz.materialize(cases[0], {"default": default_gguf}, tmp_path / "bad.gguf")
     for args in (["inspect", f], ["import", f], ["chat", f, "-p", "hi", "--max-tokens", "2"]):

@@ -73,8 +73,10 @@ def test_import_refuses_a_tensor_declared_smaller_than_its_bytes(default_gguf, c
     res = cli("import", bad)
     line = one_line_error(res)
     # Q4_0 [576, 1536] = 27648 blocks x 18 bytes; the Q4_1 bytes written are 27648 x 20.
-    assert line == (f"error: patched.gguf: tensor '{GAP_TENSOR}' is declared Q4_0 [576, 1536] (497664 bytes) "
-                    "but occupies 552960 bytes before 'blk.0.ffn_up.weight'; its type or shape is wrong")
+    assert line == (
+        f"error: patched.gguf: tensor '{GAP_TENSOR}' is declared Q4_0 [576, 1536] (497664 bytes) "
+        "but occupies 552960 bytes before 'blk.0.ffn_up.weight'; its type or shape is wrong"
+    )
     assert not (edgellm_home / "index.json").exists()
     assert not list((edgellm_home / "models").rglob("*.gguf")) if (edgellm_home / "models").exists() else True
 
@@ -93,8 +95,10 @@ def test_import_refuses_a_last_tensor_that_leaves_bytes_behind(default_gguf, cli
     assert (last.name, last.type_name, last.shape) == ("output_norm.weight", "F32", [576])
     bad = patch_tensor_type(default_gguf, tmp_path / "short-tail.gguf", last.name, F16)
     line = one_line_error(cli("import", bad))
-    assert line == ("error: short-tail.gguf: tensor 'output_norm.weight' is declared F16 [576] (1152 bytes) "
-                    "but 1152 bytes follow it to the end of the file; its type or shape is wrong")
+    assert line == (
+        "error: short-tail.gguf: tensor 'output_norm.weight' is declared F16 [576] (1152 bytes) "
+        "but 1152 bytes follow it to the end of the file; its type or shape is wrong"
+    )
 
 
 def test_bundle_import_refuses_a_file_that_does_not_tile(default_gguf, cli, tmp_path, edgellm_home):
@@ -103,8 +107,11 @@ def test_bundle_import_refuses_a_file_that_does_not_tile(default_gguf, cli, tmp_
     (bundle / "m").mkdir(parents=True)
     bad = patch_tensor_type(default_gguf, bundle / "m" / "m.gguf", GAP_TENSOR, Q4_0)
     data = bad.read_bytes()
-    manifest = {"format": "edgellm-bundle", "version": 1, "models": [
-        {"name": "m", "files": [{"path": "m/m.gguf", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}]}]}
+    manifest = {
+        "format": "edgellm-bundle",
+        "version": 1,
+        "models": [{"name": "m", "files": [{"path": "m/m.gguf", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}]}],
+    }
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     line = one_line_error(cli("import", bundle))
     assert f"bundle file m/m.gguf: tensor '{GAP_TENSOR}' is declared Q4_0" in line and "nothing was imported" in line

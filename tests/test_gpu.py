@@ -60,8 +60,9 @@ def vk_cli(vk_python: Path, *args, env: dict | None = None, timeout: float = 900
     """The CLI from the Vulkan venv; lavapipe stays hidden unless `env` shows it (LAVAPIPE)."""
     full = {k: v for k, v in os.environ.items() if k != "GGML_VK_VISIBLE_DEVICES"}
     full.update(env or {})
-    proc = subprocess.run([str(vk_python), "-m", "edgellm.cli", *map(str, args)], env=full, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [str(vk_python), "-m", "edgellm.cli", *map(str, args)], env=full, capture_output=True, text=True, timeout=timeout
+    )
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -97,8 +98,22 @@ def test_all_layers_on_lavapipe_match_cpu_and_the_plan(vk_python, default_gguf):
     """Every layer on the device (--gpu-layers 99, clamped with a note): the same 8 greedy tokens as the CPU,
     llama.cpp reports all 31 offloaded, and the plan's device bytes are within 15% of its allocations."""
     cpu = chat_json(run_cli("chat", default_gguf, "-p", PROMPT, "--max-tokens", "8", "--json", *GREEDY))
-    res = vk_cli(vk_python, "chat", default_gguf, "-p", PROMPT, "--max-tokens", "8", "--json", *GREEDY,
-                 "--gpu-layers", "99", "--gpu-device", "0", env=LAVAPIPE)
+    res = vk_cli(
+        vk_python,
+        "chat",
+        default_gguf,
+        "-p",
+        PROMPT,
+        "--max-tokens",
+        "8",
+        "--json",
+        *GREEDY,
+        "--gpu-layers",
+        "99",
+        "--gpu-device",
+        "0",
+        env=LAVAPIPE,
+    )
     gpu = chat_json(res)
     assert cpu["stats"]["generated_tokens"] == gpu["stats"]["generated_tokens"] == 8
     assert gpu["reply"] == cpu["reply"], (cpu["reply"], gpu["reply"])
@@ -117,8 +132,24 @@ def test_auto_offloads_what_fits_in_gpu_mem(vk_python, default_gguf, tmp_path):
     (At ctx 512 the compute buffer, mostly the logits of a 512-token batch, is half of the device's share.)"""
     full, one = _plan(vk_python, default_gguf, "all"), _plan(vk_python, default_gguf, "1")
     half = (full["device_bytes"] + one["device_bytes"]) // 2
-    res = vk_cli(vk_python, "chat", default_gguf, "-p", PROMPT, "--max-tokens", "2", "--json", *GREEDY,
-                 "--gpu-layers", "auto", "--gpu-device", "Vulkan0", "--gpu-mem", str(half), env=LAVAPIPE)
+    res = vk_cli(
+        vk_python,
+        "chat",
+        default_gguf,
+        "-p",
+        PROMPT,
+        "--max-tokens",
+        "2",
+        "--json",
+        *GREEDY,
+        "--gpu-layers",
+        "auto",
+        "--gpu-device",
+        "Vulkan0",
+        "--gpu-mem",
+        str(half),
+        env=LAVAPIPE,
+    )
     rep = chat_json(res)["gpu"]
     n = rep["n_gpu_layers"]
     assert 0 < n < 31, rep
@@ -130,18 +161,41 @@ def test_auto_offloads_what_fits_in_gpu_mem(vk_python, default_gguf, tmp_path):
 
 def _plan(vk_python: Path, gguf: Path, layers: str, gpu_mem: int | None = None) -> dict:
     """The plan alone (no load), from the Vulkan venv with lavapipe visible."""
-    code = ("import json, sys; from edgellm.engine.gpu import plan_offload; from edgellm.gguf.reader import read_gguf;"
-            "p = sys.argv[1]; m = int(sys.argv[3]) if sys.argv[3] != 'None' else None;"
-            "print(json.dumps(plan_offload(p, read_gguf(p), sys.argv[2], ctx=512, gpu_device='0', gpu_mem=m).to_json()))")
-    proc = subprocess.run([str(vk_python), "-c", code, str(gguf), layers, str(gpu_mem)], capture_output=True, text=True,
-                          env=dict(os.environ, **LAVAPIPE), timeout=300)
+    code = (
+        "import json, sys; from edgellm.engine.gpu import plan_offload; from edgellm.gguf.reader import read_gguf;"
+        "p = sys.argv[1]; m = int(sys.argv[3]) if sys.argv[3] != 'None' else None;"
+        "print(json.dumps(plan_offload(p, read_gguf(p), sys.argv[2], ctx=512, gpu_device='0', gpu_mem=m).to_json()))"
+    )
+    proc = subprocess.run(
+        [str(vk_python), "-c", code, str(gguf), layers, str(gpu_mem)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, **LAVAPIPE),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
 
 def test_auto_below_one_layer_chooses_cpu_and_says_why(vk_python, default_gguf):
-    res = vk_cli(vk_python, "chat", default_gguf, "-p", PROMPT, "--max-tokens", "2", "--json", *GREEDY,
-                 "--gpu-layers", "auto", "--gpu-device", "0", "--gpu-mem", "1M", env=LAVAPIPE)
+    res = vk_cli(
+        vk_python,
+        "chat",
+        default_gguf,
+        "-p",
+        PROMPT,
+        "--max-tokens",
+        "2",
+        "--json",
+        *GREEDY,
+        "--gpu-layers",
+        "auto",
+        "--gpu-device",
+        "0",
+        "--gpu-mem",
+        "1M",
+        env=LAVAPIPE,
+    )
     rep = chat_json(res)["gpu"]
     assert rep["n_gpu_layers"] == 0 and rep["allocated"]["device_bytes"] == 0
     assert "one layer needs" in rep["plan"]["reason"] and "(--gpu-mem)" in rep["plan"]["reason"]
@@ -149,8 +203,20 @@ def test_auto_below_one_layer_chooses_cpu_and_says_why(vk_python, default_gguf):
 
 
 def test_auto_never_picks_a_software_device(vk_python, default_gguf):
-    res = vk_cli(vk_python, "chat", default_gguf, "-p", PROMPT, "--max-tokens", "2", "--json", *GREEDY,
-                 "--gpu-layers", "auto", env=LAVAPIPE)
+    res = vk_cli(
+        vk_python,
+        "chat",
+        default_gguf,
+        "-p",
+        PROMPT,
+        "--max-tokens",
+        "2",
+        "--json",
+        *GREEDY,
+        "--gpu-layers",
+        "auto",
+        env=LAVAPIPE,
+    )
     rep = chat_json(res)["gpu"]
     assert rep["n_gpu_layers"] == 0 and rep["allocated"]["device_bytes"] == 0
     assert "software: no speed-up expected" in rep["plan"]["reason"] and "--gpu-device" in rep["plan"]["reason"]
@@ -158,8 +224,26 @@ def test_auto_never_picks_a_software_device(vk_python, default_gguf):
 
 
 def test_bench_all_layers_reports_the_device_split(vk_python, default_gguf):
-    res = vk_cli(vk_python, "bench", default_gguf, "--pp", "8", "--tg", "2", "-r", "1", "--ctx", "64", "--json",
-                 "--no-progress", "--gpu-layers", "all", "--gpu-device", "0", env=LAVAPIPE)
+    res = vk_cli(
+        vk_python,
+        "bench",
+        default_gguf,
+        "--pp",
+        "8",
+        "--tg",
+        "2",
+        "-r",
+        "1",
+        "--ctx",
+        "64",
+        "--json",
+        "--no-progress",
+        "--gpu-layers",
+        "all",
+        "--gpu-device",
+        "0",
+        env=LAVAPIPE,
+    )
     assert res.exit_code == 0, res
     rows = res.json()
     assert [r["test"] for r in rows] == ["pp8", "tg2"]
@@ -183,17 +267,34 @@ def _cpu_fallback(res: CliResult, expect: str) -> dict:
 
 def test_no_device_warns_and_runs_on_cpu(vk_python, default_gguf):
     # the Vulkan build with lavapipe hidden: no device at all
-    _cpu_fallback(vk_cli(vk_python, "chat", default_gguf, "-p", PROMPT, "--max-tokens", "2", "--json", *GREEDY,
-                         "--gpu-layers", "8"), "no GPU device")
+    _cpu_fallback(
+        vk_cli(vk_python, "chat", default_gguf, "-p", PROMPT, "--max-tokens", "2", "--json", *GREEDY, "--gpu-layers", "8"),
+        "no GPU device",
+    )
     # the CPU-only wheel: same path
-    _cpu_fallback(run_cli("chat", default_gguf, "-p", PROMPT, "--max-tokens", "2", "--json", *GREEDY, "--gpu-layers", "8"),
-                  "CPU-only")
+    _cpu_fallback(
+        run_cli("chat", default_gguf, "-p", PROMPT, "--max-tokens", "2", "--json", *GREEDY, "--gpu-layers", "8"), "CPU-only"
+    )
 
 
 def test_device_that_fails_to_allocate_falls_back_to_cpu(vk_python, default_gguf):
     # A device whose buffers may hold at most 4 KiB: llama.cpp cannot place a single weight on it.
-    res = vk_cli(vk_python, "chat", default_gguf, "-p", PROMPT, "--max-tokens", "2", "--json", *GREEDY,
-                 "--gpu-layers", "all", "--gpu-device", "0", env={**LAVAPIPE, "GGML_VK_FORCE_MAX_BUFFER_SIZE": "4096"})
+    res = vk_cli(
+        vk_python,
+        "chat",
+        default_gguf,
+        "-p",
+        PROMPT,
+        "--max-tokens",
+        "2",
+        "--json",
+        *GREEDY,
+        "--gpu-layers",
+        "all",
+        "--gpu-device",
+        "0",
+        env={**LAVAPIPE, "GGML_VK_FORCE_MAX_BUFFER_SIZE": "4096"},
+    )
     out = _cpu_fallback(res, "GPU offload to Vulkan0")
     assert "fallback" in out["gpu"]["plan"]["reason"]
 
@@ -203,8 +304,22 @@ def test_device_lost_during_load_falls_back_to_cpu(vk_python, default_gguf):
     # context's KV cache for them (10 blocks x 12 MiB at ctx 16384, one 120 MiB buffer) is refused:
     # the load dies halfway, with the model already on the device, as when a device is lost mid-load.
     args = [a if a != "512" else "16384" for a in GREEDY]
-    res = vk_cli(vk_python, "chat", default_gguf, "-p", PROMPT, "--max-tokens", "2", "--json", *args,
-                 "--gpu-layers", "11", "--gpu-device", "0", env={**LAVAPIPE, "GGML_VK_FORCE_MAX_BUFFER_SIZE": str(80 << 20)})
+    res = vk_cli(
+        vk_python,
+        "chat",
+        default_gguf,
+        "-p",
+        PROMPT,
+        "--max-tokens",
+        "2",
+        "--json",
+        *args,
+        "--gpu-layers",
+        "11",
+        "--gpu-device",
+        "0",
+        env={**LAVAPIPE, "GGML_VK_FORCE_MAX_BUFFER_SIZE": str(80 << 20)},
+    )
     out = _cpu_fallback(res, "GPU offload to Vulkan0")
     w = warnings(res)[0]
     assert f"buffer of size {10 * 2 * 192 * 16384 * 2}" in w and "after the weights were placed on Vulkan0" in w, w

@@ -45,8 +45,11 @@ REPO = "edge/hard-GGUF"
 
 
 def file_hashes(home: Path) -> dict[str, str]:
-    return {str(p.relative_to(home)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in home.rglob("*") if p.is_file() and p.name != "index.lock"}
+    return {
+        str(p.relative_to(home)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in home.rglob("*")
+        if p.is_file() and p.name != "index.lock"
+    }
 
 
 def listed(cli) -> list[str]:
@@ -85,6 +88,7 @@ class SmallDisk:
             with open(self.root / "filler", "wb") as fh:
                 os.posix_fallocate(fh.fileno(), 0, max(0, free - leave))
         else:
+
             def cap() -> None:
                 resource.setrlimit(resource.RLIMIT_FSIZE, (leave, leave))
 
@@ -126,8 +130,25 @@ JOBS = {
     # job -> (args, the model it would register)
     "quantize": (["quantize", "tiny-f16", "--level", "q4_0", "--no-progress"], "tiny-q4_0"),
     "convert": (["convert", "tiny-q8_0", "--to", "f32", "--no-progress"], "tiny-f32"),
-    "eval": (["eval", "tiny-f16", "--levels", "q4_k_m", "--text", "{text}", "--ctx", "64", "--chunks", "2",
-              "--batch", "128", "--no-progress", "--json"], "tiny-q4_k_m"),
+    "eval": (
+        [
+            "eval",
+            "tiny-f16",
+            "--levels",
+            "q4_k_m",
+            "--text",
+            "{text}",
+            "--ctx",
+            "64",
+            "--chunks",
+            "2",
+            "--batch",
+            "128",
+            "--no-progress",
+            "--json",
+        ],
+        "tiny-q4_k_m",
+    ),
     "pull": (["pull", REPO, "--file", "tiny-F16.gguf", "--name", "pulled", "--no-progress"], "pulled"),
 }
 
@@ -204,9 +225,11 @@ HOSTILE_NAMES = ["../escape", "/etc/passwd", "a/../../b", "nul\x00byte", "x" * 3
 def test_hostile_name_flags_are_refused(bad, tiny_f16, hub, cli, edgellm_home):
     assert cli("import", tiny_f16, "--name", "tiny-f16").exit_code == 0
     before = store_snapshot(edgellm_home)
-    for args in (["import", tiny_f16, "--name", bad],
-                 ["convert", "tiny-f16", "--to", "f32", "--name", bad],
-                 ["pull", REPO, "--file", "tiny-F16.gguf", "--name", bad]):
+    for args in (
+        ["import", tiny_f16, "--name", bad],
+        ["convert", "tiny-f16", "--to", "f32", "--name", bad],
+        ["pull", REPO, "--file", "tiny-F16.gguf", "--name", bad],
+    ):
         res = cli(*args)
         assert_one_line_error(res)
         assert "invalid model name" in res.stderr, (args, res)
@@ -215,8 +238,11 @@ def test_hostile_name_flags_are_refused(bad, tiny_f16, hub, cli, edgellm_home):
     assert not list(edgellm_home.parent.rglob("escape*")) and not (edgellm_home.parent / "b").exists()
 
 
-@pytest.mark.parametrize("filename", ["../x.gguf", "/etc/x.gguf", "a/../../x.gguf", "nul\x00.gguf", "a\\..\\x.gguf",
-                                      "d/" + "x" * 300 + ".gguf"], ids=lambda s: repr(s[:10]))
+@pytest.mark.parametrize(
+    "filename",
+    ["../x.gguf", "/etc/x.gguf", "a/../../x.gguf", "nul\x00.gguf", "a\\..\\x.gguf", "d/" + "x" * 300 + ".gguf"],
+    ids=lambda s: repr(s[:10]),
+)
 def test_hostile_hub_file_flag_is_refused(filename, hub, cli):
     res = cli("pull", REPO, "--file", filename)
     assert_one_line_error(res)
@@ -237,15 +263,22 @@ def test_hostile_filename_in_a_hub_listing_is_refused(tiny_f16, cli, edgellm_hom
     assert not list(edgellm_home.parent.rglob("escape"))
 
 
-@pytest.mark.parametrize("entry,expect", [
-    ('name = "../evil"\nrepo = "a/b"\n[model.files]\nq8_0 = "x.gguf"', "invalid model name"),
-    ('name = "' + "n" * 300 + '"\nrepo = "a/b"\n[model.files]\nq8_0 = "x.gguf"', "invalid model name"),
-    ('name = "ok"\nrepo = "a/b"\n[model.files]\nq8_0 = "../../x.gguf"', "unsafe filename"),
-    ('name = "ok"\nrepo = "a/b"\n[model.files]\nq8_0 = "/etc/x.gguf"', "unsafe filename"),
-    ('name = "ok"\nrepo = "a/b"\n[model.files]\nq8_0 = "x\\u0000.gguf"', "unsafe filename"),
-    ('name = "ok"\nrepo = "a/b"\n[model.files]\nq8_0 = ["ok-00001-of-00002.gguf", "../ok-00002-of-00002.gguf"]', "unsafe filename"),
-    ('name = "ok"\nrepo = "a/b"\n[model.files]\nq8_0 = "' + "x" * 300 + '.gguf"', "unsafe filename"),
-], ids=["dotdot-name", "long-name", "dotdot-file", "abs-file", "nul-file", "split-shard", "long-file"])
+@pytest.mark.parametrize(
+    "entry,expect",
+    [
+        ('name = "../evil"\nrepo = "a/b"\n[model.files]\nq8_0 = "x.gguf"', "invalid model name"),
+        ('name = "' + "n" * 300 + '"\nrepo = "a/b"\n[model.files]\nq8_0 = "x.gguf"', "invalid model name"),
+        ('name = "ok"\nrepo = "a/b"\n[model.files]\nq8_0 = "../../x.gguf"', "unsafe filename"),
+        ('name = "ok"\nrepo = "a/b"\n[model.files]\nq8_0 = "/etc/x.gguf"', "unsafe filename"),
+        ('name = "ok"\nrepo = "a/b"\n[model.files]\nq8_0 = "x\\u0000.gguf"', "unsafe filename"),
+        (
+            'name = "ok"\nrepo = "a/b"\n[model.files]\nq8_0 = ["ok-00001-of-00002.gguf", "../ok-00002-of-00002.gguf"]',
+            "unsafe filename",
+        ),
+        ('name = "ok"\nrepo = "a/b"\n[model.files]\nq8_0 = "' + "x" * 300 + '.gguf"', "unsafe filename"),
+    ],
+    ids=["dotdot-name", "long-name", "dotdot-file", "abs-file", "nul-file", "split-shard", "long-file"],
+)
 def test_hostile_catalog_entries_are_refused(entry, expect, cli, tmp_path, monkeypatch):
     cat = tmp_path / "models.toml"
     cat.write_text("[[model]]\n" + entry + "\n", encoding="utf-8")
@@ -256,13 +289,16 @@ def test_hostile_catalog_entries_are_refused(entry, expect, cli, tmp_path, monke
         assert expect in res.stderr and "catalog" in res.stderr, res
 
 
-@pytest.mark.parametrize("field,value,expect", [
-    ("name", "../escape", "invalid model name"),
-    ("name", "nul\x00byte", "invalid model name"),
-    ("path", "/etc/passwd", "unsafe"),
-    ("path", "../../outside.gguf", "unsafe"),
-    ("path", "m/" + "y" * 300 + ".gguf", "unsafe"),
-])
+@pytest.mark.parametrize(
+    "field,value,expect",
+    [
+        ("name", "../escape", "invalid model name"),
+        ("name", "nul\x00byte", "invalid model name"),
+        ("path", "/etc/passwd", "unsafe"),
+        ("path", "../../outside.gguf", "unsafe"),
+        ("path", "m/" + "y" * 300 + ".gguf", "unsafe"),
+    ],
+)
 def test_hostile_bundle_manifests_are_refused(field, value, expect, tiny_f16, cli, tmp_path, monkeypatch):
     assert cli("import", tiny_f16, "--name", "tiny-f16").exit_code == 0
     bundle = tmp_path / "bundle"
@@ -326,5 +362,11 @@ for job in json.loads(sys.stdin.readline()):
     # 6 s per run: generous for a loaded shared machine, yet far below the 60 s "hang"
     jobs = [{"key": [i, c], "args": [c]} for i, c in enumerate(["ok", "abort", "ok", "hang", "trace", "ok"])]
     res = {r["key"][1] + str(r["key"][0]): r["problem"] for r in fuzz.run_jobs(jobs, dict(os.environ), timeout=6)}
-    assert res == {"ok0": None, "abort1": "killed the process (signal 6)", "ok2": None,
-                   "hang3": "hung (no result within 6 s)", "trace4": "traceback", "ok5": None}
+    assert res == {
+        "ok0": None,
+        "abort1": "killed the process (signal 6)",
+        "ok2": None,
+        "hang3": "hung (no result within 6 s)",
+        "trace4": "traceback",
+        "ok5": None,
+    }

@@ -173,8 +173,12 @@ def test_kill_9_at_half_then_pull_again_resumes(default_gguf, cli, edgellm_home,
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         env = dict(os.environ)
         server.throttle(24 * MiB)
-        proc = subprocess.Popen([sys.executable, "-m", "edgellm.cli", "pull", repo, "--file", fname, "--json", "--no-progress"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "edgellm.cli", "pull", repo, "--file", fname, "--json", "--no-progress"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         try:
             deadline = time.monotonic() + 60
             while not (part.exists() and part.stat().st_size >= meta.size // 2):
@@ -198,7 +202,9 @@ def test_kill_9_at_half_then_pull_again_resumes(default_gguf, cli, edgellm_home,
         second_gets = body_gets(server)[-1]
         assert second_gets.range.endswith(f"-{meta.size - 1}")
         total = server.bytes_sent[fname]
-        print(f"kill -9 at {kept / meta.size:.1%}: first run sent {first_run}, total {total} = {total / meta.size:.3f}x of {meta.size}")
+        print(
+            f"kill -9 at {kept / meta.size:.1%}: first run sent {first_run}, total {total} = {total / meta.size:.3f}x of {meta.size}"
+        )
         assert total <= 1.1 * meta.size
         assert not part.exists()
 
@@ -309,7 +315,9 @@ def test_offline_serves_from_the_hf_cache(hub, cli, monkeypatch):
     hf_hub_download(REPO, Q8, endpoint=hub.url, cache_dir=hf_cache_dir())
     hub.reset_counters()
     attempts = []
-    monkeypatch.setattr(socket.socket, "connect", lambda self, addr, *a: attempts.append(addr) or (_ for _ in ()).throw(OSError("offline")))
+    monkeypatch.setattr(
+        socket.socket, "connect", lambda self, addr, *a: attempts.append(addr) or (_ for _ in ()).throw(OSError("offline"))
+    )
     monkeypatch.setenv("EDGELLM_OFFLINE", "1")
     res = cli("pull", REPO, "--level", "q8_0", "--json")
     assert res.exit_code == 0, res

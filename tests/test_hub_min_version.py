@@ -31,7 +31,7 @@ else:  # pragma: no cover
 REPO = "edge/min-GGUF"
 FILE = "min-Q8_0.gguf"
 
-PROBE = '''
+PROBE = """
 import atexit, json, os, sys
 
 def _report():
@@ -40,7 +40,7 @@ def _report():
         json.dump({"version": getattr(m, "__version__", None), "file": getattr(m, "__file__", None)}, fh)
 
 atexit.register(_report)
-'''
+"""
 
 
 def lowest_allowed() -> str:
@@ -66,9 +66,22 @@ def lowest_hub() -> tuple[str, Path]:
     with filelock.FileLock(str(target) + ".lock", timeout=900):
         if not (target / ".complete").exists():
             tmp = target.with_name(target.name + f".{os.getpid()}.partial")
-            proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                                   "--target", str(tmp), f"huggingface_hub=={version}"],
-                                  capture_output=True, text=True, timeout=900)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    "--target",
+                    str(tmp),
+                    f"huggingface_hub=={version}",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
             assert proc.returncode == 0, f"installing huggingface_hub=={version} failed: {proc.stderr[-2000:]}"
             (tmp / ".complete").write_text(version + "\n")
             if target.exists():  # a half-made folder of an interrupted run
@@ -81,8 +94,14 @@ def lowest_hub() -> tuple[str, Path]:
 
 def pull(args: list, *, hub_dir: Path, probe_dir: Path, endpoint: str, tmp_path: Path) -> tuple[CliResult, dict]:
     out = tmp_path / f"probe-{len(list(tmp_path.glob('probe-*.json')))}.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(probe_dir), str(hub_dir)]), HF_PROBE_OUT=str(out),
-               HF_ENDPOINT=endpoint, EDGELLM_HUB_RETRIES="2", EDGELLM_HUB_BACKOFF="0")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(probe_dir), str(hub_dir)]),
+        HF_PROBE_OUT=str(out),
+        HF_ENDPOINT=endpoint,
+        EDGELLM_HUB_RETRIES="2",
+        EDGELLM_HUB_BACKOFF="0",
+    )
     proc = subprocess.run(cli_argv("pull", *args), env=env, capture_output=True, text=True, timeout=300)
     res = CliResult(proc.returncode, proc.stdout, proc.stderr)
     assert out.is_file(), f"the probe did not report (did the CLI skip atexit?): {res}"
@@ -110,29 +129,47 @@ def test_lowest_allowed_huggingface_hub_pulls_and_fails_in_one_line(lowest_hub, 
 
     with HubServer({REPO: {FILE: src}}, lfs_min_size=64) as hub:
         # a repo the Hub does not have: its 404, in one line
-        res, probe = pull(["edge/no-such-GGUF", "--file", FILE, "--no-progress"], hub_dir=hub_dir, probe_dir=probe_dir,
-                          endpoint=hub.url, tmp_path=tmp_path)
+        res, probe = pull(
+            ["edge/no-such-GGUF", "--file", FILE, "--no-progress"],
+            hub_dir=hub_dir,
+            probe_dir=probe_dir,
+            endpoint=hub.url,
+            tmp_path=tmp_path,
+        )
         imported(probe)
         assert_one_line_error(res)
         assert "edge/no-such-GGUF" in res.stderr and "404" in res.stderr, res
         assert "internal error" not in res.stderr and "ModuleNotFoundError" not in res.stderr, res
 
         # a good pull: every segment lands first time (1.x once failed its size check on each after the first)
-        res, probe = pull([REPO, "--file", FILE, "--json", "--no-progress"], hub_dir=hub_dir, probe_dir=probe_dir,
-                          endpoint=hub.url, tmp_path=tmp_path)
+        res, probe = pull(
+            [REPO, "--file", FILE, "--json", "--no-progress"],
+            hub_dir=hub_dir,
+            probe_dir=probe_dir,
+            endpoint=hub.url,
+            tmp_path=tmp_path,
+        )
         imported(probe)
         assert res.exit_code == 0, res
         assert res.json()["sha256"] == hub.file(REPO, FILE).sha256
-        ranges = [tuple(map(int, r.range.removeprefix("bytes=").split("-")))
-                  for r in hub.requests if r.method == "GET" and r.path.startswith("/cdn-lfs/")]
+        ranges = [
+            tuple(map(int, r.range.removeprefix("bytes=").split("-")))
+            for r in hub.requests
+            if r.method == "GET" and r.path.startswith("/cdn-lfs/")
+        ]
         # each byte asked for once, in order: no segment was fetched again
         assert len(ranges) >= 3 and ranges[0][0] == 0 and ranges[-1][1] == src.stat().st_size - 1, ranges
         assert all(b[0] == a[1] + 1 for a, b in zip(ranges, ranges[1:])), ranges
         assert "retry" not in res.stderr, res
 
     # nothing listening: the transport error is recognised (retried, then one line), not an internal error
-    res, probe = pull(["edge/any-GGUF", "--file", FILE, "--no-progress"], hub_dir=hub_dir, probe_dir=probe_dir,
-                      endpoint=f"http://127.0.0.1:{closed_port()}", tmp_path=tmp_path)
+    res, probe = pull(
+        ["edge/any-GGUF", "--file", FILE, "--no-progress"],
+        hub_dir=hub_dir,
+        probe_dir=probe_dir,
+        endpoint=f"http://127.0.0.1:{closed_port()}",
+        tmp_path=tmp_path,
+    )
     imported(probe)
     assert_one_line_error(res)
     assert "could not reach" in res.stderr and "after 2 attempts" in res.stderr, res

@@ -218,9 +218,7 @@ def test_cli_serves_files(tmp_path: Path, small: bytes):
     f = tmp_path / "w.gguf"
     f.write_bytes(small)
     cli = Path(__file__).parent / "support" / "hubserver.py"
-    proc = subprocess.Popen(
-        [sys.executable, str(cli), "--port", "0", "--repo", "o/n", str(f)], stdout=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen([sys.executable, str(cli), "--port", "0", "--repo", "o/n", str(f)], stdout=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:")

@@ -52,9 +52,26 @@ def reference_imatrix(f16_path, llama_tools, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("llama-imatrix") / "ref.gguf"
     proc = subprocess.run(
-        [str(llama_tools / "llama-imatrix"), "-m", str(f16_path), "-f", str(calibration_path()), "-c", "512",
-         "--chunks", str(CHUNKS), "-t", "2", "--no-ppl", "-o", str(out)],
-        capture_output=True, text=True, timeout=1800)
+        [
+            str(llama_tools / "llama-imatrix"),
+            "-m",
+            str(f16_path),
+            "-f",
+            str(calibration_path()),
+            "-c",
+            "512",
+            "--chunks",
+            str(CHUNKS),
+            "-t",
+            "2",
+            "--no-ppl",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
 
@@ -112,12 +129,14 @@ def test_matches_llama_imatrix(session_imatrix, reference_imatrix):
     assert worst <= 1e-4
 
 
-def test_quant_with_imatrix_is_byte_identical_to_llama_quantize(cli, f16_model, f16_path, reference_imatrix,
-                                                                llama_tools, tmp_path, edgellm_home):
+def test_quant_with_imatrix_is_byte_identical_to_llama_quantize(
+    cli, f16_model, f16_path, reference_imatrix, llama_tools, tmp_path, edgellm_home
+):
     """The same file through `quantize --imatrix` and `llama-quantize --imatrix`: the same bytes.
     q2_k_s is one of the levels only an importance matrix makes possible."""
-    res = cli("quantize", F16_NAME, "-l", "q4_k_m", "-l", "q2_k_s", "--imatrix", str(reference_imatrix),
-              "--threads", "2", "--json")
+    res = cli(
+        "quantize", F16_NAME, "-l", "q4_k_m", "-l", "q2_k_s", "--imatrix", str(reference_imatrix), "--threads", "2", "--json"
+    )
     assert res.exit_code == 0, res
     out = {o["level"]: o for o in res.json()}
     for level in ("q4_k_m", "q2_k_s"):
@@ -125,8 +144,20 @@ def test_quant_with_imatrix_is_byte_identical_to_llama_quantize(cli, f16_model, 
         assert o["name"] == f"smollm2-135m-instruct-{level}-imat"
         assert o["imatrix"]["file"] == str(reference_imatrix) and o["imatrix"]["sha256"] == _sha(reference_imatrix)
         ref = tmp_path / f"ref-{level}.gguf"
-        proc = subprocess.run([str(llama_tools / "llama-quantize"), "--imatrix", str(reference_imatrix), str(f16_path),
-                               str(ref), level.upper(), "2"], capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            [
+                str(llama_tools / "llama-quantize"),
+                "--imatrix",
+                str(reference_imatrix),
+                str(f16_path),
+                str(ref),
+                level.upper(),
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stderr[-1500:]
         assert o["sha256"] == _sha(ref), level
     # lineage in the store and in inspect
@@ -182,8 +213,7 @@ def test_imatrix_of_another_model_is_refused(cli, f16_model, session_imatrix, ed
     assert "was not made for" in err and "256" in err and "576" in err
     # same widths, other names (e.g. another architecture's tensor names)
     m = read_imatrix(session_imatrix)
-    renamed = IMatrix({k.replace("attn_q", "attn_qkv"): v for k, v in m.entries.items()}, m.datasets, m.chunk_count,
-                      m.chunk_size)
+    renamed = IMatrix({k.replace("attn_q", "attn_qkv"): v for k, v in m.entries.items()}, m.datasets, m.chunk_count, m.chunk_size)
     p = tmp_path / "renamed.gguf"
     p.write_bytes(encode(renamed))
     err = _refused(cli, edgellm_home, "quantize", F16_NAME, "-l", "q4_k_m", "--imatrix", str(p))
@@ -280,7 +310,7 @@ def test_calibration_text_is_stated_and_disjoint_from_wikitext(wikitext):
     assert shared == []
     # prose, code and dialogue are all there
     text = t.data.decode()
-    assert "def " in text and "SELECT" in text and '"You\'re the one' in text
+    assert "def " in text and "SELECT" in text and "\"You're the one" in text
 
 
 # -- --budget and --recipe -------------------------------------------------------------
@@ -292,8 +322,16 @@ def test_budget_sizes_parse(monkeypatch):
     from edgellm.errors import UsageError
     from quant.budget import parse_budget
 
-    info = SimpleNamespace(parameters=134_515_008, embedding_length=576, head_count=9, head_count_kv=3, block_count=30,
-                           context_length=8192, vocab_size=49152, tensor_bytes=0)
+    info = SimpleNamespace(
+        parameters=134_515_008,
+        embedding_length=576,
+        head_count=9,
+        head_count_kv=3,
+        block_count=30,
+        context_length=8192,
+        vocab_size=49152,
+        tensor_bytes=0,
+    )
     assert parse_budget("100MB", info).bytes == 100_000_000
     assert parse_budget("95.5 MiB", info).bytes == int(95.5 * 2**20)
     assert parse_budget("88201792", info).bytes == 88_201_792
@@ -312,8 +350,9 @@ def test_budget_sizes_parse(monkeypatch):
 
 
 def test_budget_below_smallest_file_names_the_minimum(cli, f16_model, session_imatrix, edgellm_home):
-    err = _refused(cli, edgellm_home, "quantize", F16_NAME, "--budget", "50MB", "--exclude-types", "q4_1",
-                   "--imatrix", str(session_imatrix))
+    err = _refused(
+        cli, edgellm_home, "quantize", F16_NAME, "--budget", "50MB", "--exclude-types", "q4_1", "--imatrix", str(session_imatrix)
+    )
     # every matrix in its cheapest type (Q2_K where 256 divides the width, else Q4_0) is 71.4 MB here
     assert "below the smallest file" in err and "71.4 MB" in err and "50.0 MB" in err
     assert "unknown type" in _refused(cli, edgellm_home, "quantize", F16_NAME, "--budget", "90MB", "--exclude-types", "q9_9")
@@ -321,11 +360,23 @@ def test_budget_below_smallest_file_names_the_minimum(cli, f16_model, session_im
     assert "drop --level" in _refused(cli, edgellm_home, "quantize", F16_NAME, "--budget", "90MB", "-l", "q4_0")
 
 
-def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(cli, f16_model, session_imatrix, edgellm_home,
-                                                                       llama_tools, f16_path, tmp_path):
+def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(
+    cli, f16_model, session_imatrix, edgellm_home, llama_tools, f16_path, tmp_path
+):
     budget = 90_000_000
-    res = cli("quantize", F16_NAME, "--budget", "90MB", "--exclude-types", "q4_1", "--imatrix", str(session_imatrix),
-              "--threads", "2", "--json")
+    res = cli(
+        "quantize",
+        F16_NAME,
+        "--budget",
+        "90MB",
+        "--exclude-types",
+        "q4_1",
+        "--imatrix",
+        str(session_imatrix),
+        "--threads",
+        "2",
+        "--json",
+    )
     assert res.exit_code == 0, res
     out = res.json()[0]
     assert out["name"] == "smollm2-135m-instruct-budget-90mb"
@@ -340,15 +391,29 @@ def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(cli, f16_mo
     shown = cli("inspect", out["name"], "--json").json()
     assert shown["recipe"]["file"] == out["recipe_file"]
     # the saved recipe, with the same matrix, gives the same bytes ...
-    again = cli("quantize", F16_NAME, "--recipe", out["recipe_file"], "--imatrix", str(session_imatrix), "--threads", "2",
-                "--json")
+    again = cli(
+        "quantize", F16_NAME, "--recipe", out["recipe_file"], "--imatrix", str(session_imatrix), "--threads", "2", "--json"
+    )
     assert again.exit_code == 0, again
     assert again.json()[0]["sha256"] == out["sha256"]
     # ... and so does llama-quantize with the recipe's --tensor-type-file twin
     ref = tmp_path / "ref.gguf"
-    proc = subprocess.run([str(llama_tools / "llama-quantize"), "--imatrix", str(session_imatrix), "--tensor-type-file",
-                           str(Path(out["recipe_file"]).with_suffix(".txt")), str(f16_path), str(ref), "Q4_K_M", "2"],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            str(llama_tools / "llama-quantize"),
+            "--imatrix",
+            str(session_imatrix),
+            "--tensor-type-file",
+            str(Path(out["recipe_file"]).with_suffix(".txt")),
+            str(f16_path),
+            str(ref),
+            "Q4_K_M",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-1500:]
     assert _sha(ref) == out["sha256"]
 
@@ -464,17 +529,59 @@ def test_eval_plot_marks_edgellm_files_as_their_own_series(tmp_path):
     from quant.evaluate import EvalReport, LevelEval, is_edgellm_recipe, level_tag, write_plot
 
     def lv(name, level, size, kld):
-        return LevelEval(level=level, name=name, path="", size_bytes=size, bpw=4.0, ppl=20.0, ppl_err=0.1, dppl_pct=5.0,
-                         kld_mean=kld, kld_err=0.01, kld_median=kld, kld_p99=kld, kld_max=kld, same_top_p=80.0,
-                         same_top_p_err=1.0, rms_dp=1.0, rms_dp_err=0.1, tokens_per_second=100.0, seconds=1.0)
+        return LevelEval(
+            level=level,
+            name=name,
+            path="",
+            size_bytes=size,
+            bpw=4.0,
+            ppl=20.0,
+            ppl_err=0.1,
+            dppl_pct=5.0,
+            kld_mean=kld,
+            kld_err=0.01,
+            kld_median=kld,
+            kld_p99=kld,
+            kld_max=kld,
+            same_top_p=80.0,
+            same_top_p_err=1.0,
+            rms_dp=1.0,
+            rms_dp_err=0.1,
+            tokens_per_second=100.0,
+            seconds=1.0,
+        )
 
-    levels = [lv("m-q2_k", "q2_k", 88_201_792, 0.41), lv("m-q2_k-imat", "q2_k", 88_202_080, 0.27),
-              lv("m-budget-88mb", "q4_k_m", 88_188_256, 0.06), lv("m-q4_k_m", "q4_k_m", 105_454_144, 0.06)]
+    levels = [
+        lv("m-q2_k", "q2_k", 88_201_792, 0.41),
+        lv("m-q2_k-imat", "q2_k", 88_202_080, 0.27),
+        lv("m-budget-88mb", "q4_k_m", 88_188_256, 0.06),
+        lv("m-q4_k_m", "q4_k_m", 105_454_144, 0.06),
+    ]
     assert [is_edgellm_recipe(x.name) for x in levels] == [False, True, True, False]
-    rep = EvalReport(base="m-f16", base_path="", base_level="f16", base_size_bytes=1, base_bpw=16.0, base_ppl=20.0,
-                     base_ppl_err=0.1, base_tokens_per_second=1.0, parameters=1, kv_bytes_per_token=1, corpus="x",
-                     corpus_sha256="", ctx=512, chunks=1, n_tokens_scored=1, batch=1, threads=1, topk=1, tail_samples=1,
-                     machine="", created=0.0, levels=levels)
+    rep = EvalReport(
+        base="m-f16",
+        base_path="",
+        base_level="f16",
+        base_size_bytes=1,
+        base_bpw=16.0,
+        base_ppl=20.0,
+        base_ppl_err=0.1,
+        base_tokens_per_second=1.0,
+        parameters=1,
+        kv_bytes_per_token=1,
+        corpus="x",
+        corpus_sha256="",
+        ctx=512,
+        chunks=1,
+        n_tokens_scored=1,
+        batch=1,
+        threads=1,
+        topk=1,
+        tail_samples=1,
+        machine="",
+        created=0.0,
+        levels=levels,
+    )
     assert [level_tag(rep, x) for x in levels] == ["q2_k", "q2_k-imat", "budget-88mb", "q4_k_m"]
     out = write_plot(rep, tmp_path / "frontier.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

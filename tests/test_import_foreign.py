@@ -40,28 +40,43 @@ def _blob(root: Path, data: bytes) -> dict:
     return {"digest": f"sha256:{digest}", "size": len(data)}
 
 
-def ollama_store(root: Path, gguf: Path, *, manifests=(("registry.ollama.ai", "library", "smollm2", "135m"),),
-                 blob_name: str | None = None) -> Path:
+def ollama_store(
+    root: Path, gguf: Path, *, manifests=(("registry.ollama.ai", "library", "smollm2", "135m"),), blob_name: str | None = None
+) -> Path:
     """An Ollama models folder as `ollama pull` leaves it; returns the model blob."""
     (root / "blobs").mkdir(parents=True, exist_ok=True)
     digest = blob_name or sha256(gguf)
     blob = root / "blobs" / f"sha256-{digest}"
     shutil.copyfile(gguf, blob)
     model_layer = {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}", "size": blob.stat().st_size}
-    template = _blob(root, b"{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n")
+    template = _blob(
+        root, b"{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
+    )
     params = _blob(root, json.dumps({"stop": ["<|im_start|>", "<|im_end|>"]}).encode())
-    config = _blob(root, json.dumps({
-        "model_format": "gguf", "model_family": "llama", "model_families": ["llama"], "model_type": "134.52M",
-        "file_type": "Q4_1", "architecture": "amd64", "os": "linux",
-        "rootfs": {"type": "layers", "diff_ids": [model_layer["digest"], template["digest"], params["digest"]]},
-    }).encode())
+    config = _blob(
+        root,
+        json.dumps(
+            {
+                "model_format": "gguf",
+                "model_family": "llama",
+                "model_families": ["llama"],
+                "model_type": "134.52M",
+                "file_type": "Q4_1",
+                "architecture": "amd64",
+                "os": "linux",
+                "rootfs": {"type": "layers", "diff_ids": [model_layer["digest"], template["digest"], params["digest"]]},
+            }
+        ).encode(),
+    )
     manifest = {
         "schemaVersion": 2,
         "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
         "config": {"mediaType": "application/vnd.docker.container.image.v1+json", **config},
-        "layers": [model_layer,
-                   {"mediaType": "application/vnd.ollama.image.template", **template},
-                   {"mediaType": "application/vnd.ollama.image.params", **params}],
+        "layers": [
+            model_layer,
+            {"mediaType": "application/vnd.ollama.image.template", **template},
+            {"mediaType": "application/vnd.ollama.image.params", **params},
+        ],
     }
     for registry, namespace, model, tag in manifests:
         mf = root / "manifests" / registry / namespace / model / tag
@@ -73,10 +88,14 @@ def ollama_store(root: Path, gguf: Path, *, manifests=(("registry.ollama.ai", "l
 @pytest.fixture
 def ollama(default_gguf, tmp_path, monkeypatch) -> Path:
     root = tmp_path / "ollama-models"
-    blob = ollama_store(root, default_gguf, manifests=(
-        ("registry.ollama.ai", "library", "smollm2", "135m"),
-        ("hf.co", "bartowski", "SmolLM2-135M-Instruct-GGUF", "Q4_1"),  # Ollama shares one blob between tags
-    ))
+    blob = ollama_store(
+        root,
+        default_gguf,
+        manifests=(
+            ("registry.ollama.ai", "library", "smollm2", "135m"),
+            ("hf.co", "bartowski", "SmolLM2-135M-Instruct-GGUF", "Q4_1"),  # Ollama shares one blob between tags
+        ),
+    )
     monkeypatch.setenv("OLLAMA_MODELS", str(root))
     return blob
 
@@ -88,7 +107,10 @@ def test_lists_the_ollama_store_with_names_and_the_blob_sha(ollama, cli):
     assert set(found) == {"smollm2:135m", "hf.co/bartowski/SmolLM2-135M-Instruct-GGUF:Q4_1"}
     m = found["smollm2:135m"]
     assert (m["store_name"], m["path"], m["sha256"], m["size_bytes"]) == ("smollm2-135m", str(ollama), DEFAULT_SHA, DEFAULT_SIZE)
-    assert found["hf.co/bartowski/SmolLM2-135M-Instruct-GGUF:Q4_1"]["store_name"] == "hf.co-bartowski-smollm2-135m-instruct-gguf-q4_1"
+    assert (
+        found["hf.co/bartowski/SmolLM2-135M-Instruct-GGUF:Q4_1"]["store_name"]
+        == "hf.co-bartowski-smollm2-135m-instruct-gguf-q4_1"
+    )
     text = cli("import", "--from", "ollama")
     assert text.exit_code == 0, text
     assert "smollm2:135m" in text.stdout and "-> smollm2-135m" in text.stdout and " q4_1 " in text.stdout
@@ -103,7 +125,9 @@ def test_import_copies_under_the_ollama_name_and_chat_answers(ollama, cli, edgel
     assert stored.parent == edgellm_home / "models" / "smollm2-135m" and stored.name == "smollm2-135m.gguf"
     assert stored.stat().st_ino != ollama.stat().st_ino and sha256(stored) == DEFAULT_SHA
     # the Ollama name resolves too (NAME:TAG -> NAME-TAG), and the model runs
-    chat = cli("chat", "smollm2:135m", "-p", "What is 2+2?", "--max-tokens", "8", "--seed", "1", "--temperature", "0", "--no-history")
+    chat = cli(
+        "chat", "smollm2:135m", "-p", "What is 2+2?", "--max-tokens", "8", "--seed", "1", "--temperature", "0", "--no-history"
+    )
     assert chat.exit_code == 0, chat
     assert chat.stdout.strip()
 
@@ -177,7 +201,9 @@ def test_unknown_names_and_missing_stores_are_one_line_errors(ollama, cli, tmp_p
     assert f"no Ollama store at {tmp_path / 'nowhere'}" in line
 
 
-def hf_cache(hub: Path, gguf: Path, repo="bartowski/SmolLM2-135M-Instruct-GGUF", filename="SmolLM2-135M-Instruct-Q4_1.gguf") -> Path:
+def hf_cache(
+    hub: Path, gguf: Path, repo="bartowski/SmolLM2-135M-Instruct-GGUF", filename="SmolLM2-135M-Instruct-Q4_1.gguf"
+) -> Path:
     """The layout huggingface_hub writes: blobs named by sha256, snapshot entries as relative symlinks."""
     d = hub / ("models--" + repo.replace("/", "--"))
     commit = "0" * 8 + "f00d" * 8
@@ -197,7 +223,8 @@ def test_hf_cache_link_points_at_the_blob(default_gguf, cli, tmp_path, monkeypat
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     listed = cli("import", "--from", "hf", "--json").json()
     assert [(m["name"], m["store_name"], m["sha256"]) for m in listed] == [
-        ("bartowski/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_1.gguf", "smollm2-135m-instruct-q4_1", DEFAULT_SHA)]
+        ("bartowski/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_1.gguf", "smollm2-135m-instruct-q4_1", DEFAULT_SHA)
+    ]
     res = cli("import", "--from", "hf", "smollm2-135m-instruct-q4_1", "--link", "--json")
     assert res.exit_code == 0, res
     stored = Path(res.json()[0]["path"])
@@ -227,7 +254,8 @@ def test_lmstudio_models_folder_from_home_and_pointer(default_gguf, cli, tmp_pat
     (f.parent / "mmproj-SmolLM2-f16.gguf").write_bytes(b"GGUF")  # a projector: not listed as a model
     listed = cli("import", "--from", "lmstudio", "--json").json()
     assert [(m["name"], m["store_name"], m["sha256"]) for m in listed] == [
-        ("lmstudio-community/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_1.gguf", "smollm2-135m-instruct-q4_1", None)]
+        ("lmstudio-community/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_1.gguf", "smollm2-135m-instruct-q4_1", None)
+    ]
     # LM Studio's own pointer file moves its home; the old folder is then ignored
     moved = tmp_path / "lm-elsewhere"
     (moved / "models" / "me" / "m").mkdir(parents=True)
@@ -256,8 +284,11 @@ def test_plain_file_link(default_gguf, cli, tmp_path):
 
 def test_a_bare_ollama_name_means_its_latest_tag(default_gguf, cli, tmp_path, monkeypatch):
     root = tmp_path / "ollama"
-    ollama_store(root, default_gguf, manifests=(("registry.ollama.ai", "library", "smollm2", "latest"),
-                                                ("registry.ollama.ai", "me", "tuned", "v1")))
+    ollama_store(
+        root,
+        default_gguf,
+        manifests=(("registry.ollama.ai", "library", "smollm2", "latest"), ("registry.ollama.ai", "me", "tuned", "v1")),
+    )
     monkeypatch.setenv("OLLAMA_MODELS", str(root))
     assert [m["name"] for m in cli("import", "--from", "ollama", "--json").json()] == ["me/tuned:v1", "smollm2:latest"]
     res = cli("import", "--from", "ollama", "smollm2", "me/tuned:v1", "--link", "--json")

@@ -31,8 +31,9 @@ def noisy_pair(seed: int, n: int, V: int, *, scale: float, noise: float) -> tupl
     return base, quant, rng.integers(0, V, n)
 
 
-def run(base_logits: np.ndarray, q_logits: np.ndarray, targets: np.ndarray, *, k: int, m: int = 0,
-        chunk: int | None = None) -> KLDAccumulator:
+def run(
+    base_logits: np.ndarray, q_logits: np.ndarray, targets: np.ndarray, *, k: int, m: int = 0, chunk: int | None = None
+) -> KLDAccumulator:
     """Base pass then quantized pass, `chunk` rows at a time, as quant/evaluate.py feeds them."""
     n, V = base_logits.shape
     chunk = chunk or n
@@ -92,7 +93,7 @@ def test_statistics_equal_numpy_on_random_logits():
     assert r.kld_max == pytest.approx(kl.max(), rel=1e-5) and r.kld_min == pytest.approx(kl.min(), rel=1e-4)
 
     # top-token agreement: the share of rows where the quantized argmax is the base's
-    same = (quant.argmax(axis=1) == base.argmax(axis=1))
+    same = quant.argmax(axis=1) == base.argmax(axis=1)
     assert 0 < same.sum() < n  # the noise flips some rows, not all: the statistic is exercised
     top = same.mean()
     assert r.same_top_p == pytest.approx(top) and r.same_top_p_err == pytest.approx(math.sqrt(top * (1 - top) / (n - 1)))
@@ -100,7 +101,7 @@ def test_statistics_equal_numpy_on_random_logits():
     rows = np.arange(n)
     dp = q[rows, targets] - p[rows, targets]
     assert r.dp_mean == pytest.approx(dp.mean(), rel=1e-5, abs=1e-8)
-    assert r.rms_dp == pytest.approx(math.sqrt((dp ** 2).mean()), rel=1e-5)
+    assert r.rms_dp == pytest.approx(math.sqrt((dp**2).mean()), rel=1e-5)
     assert r.max_dp == pytest.approx(np.abs(dp).max(), rel=1e-5)
 
     nll_p, nll_q = -np.log(p[rows, targets]), -np.log(q[rows, targets])

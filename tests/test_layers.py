@@ -42,8 +42,14 @@ def copy_project(dest: Path) -> Path:
 
 def lint(project: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(project))
-    return subprocess.run([str(LINT), "--no-cache", "--no-logo", str(project / "pyproject.toml")], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(LINT), "--no-cache", "--no-logo", str(project / "pyproject.toml")],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def add_import(module: Path, line: str) -> None:
@@ -59,14 +65,17 @@ def test_the_untouched_copy_passes(tmp_path):
     assert "BROKEN" not in res.stdout and res.stdout.count("KEPT") >= 3, res.stdout
 
 
-@pytest.mark.parametrize("module, line, kind", [
-    ("edgellm/gguf/reader.py", "import tui  # noqa: F401", "forbidden"),
-    ("edgellm/gguf/reader.py", "from quant import levels  # noqa: F401", "forbidden"),
-    ("edgellm/engine/hardware.py", "import edgellm.cli  # noqa: F401", "forbidden"),
-    # inside the core, downwards only: the reader may not reach up into the model store
-    ("edgellm/gguf/reader.py", "import edgellm.models.store  # noqa: F401", "layers"),
-    ("quant/levels.py", "import tui.app  # noqa: F401", "layers"),
-])
+@pytest.mark.parametrize(
+    "module, line, kind",
+    [
+        ("edgellm/gguf/reader.py", "import tui  # noqa: F401", "forbidden"),
+        ("edgellm/gguf/reader.py", "from quant import levels  # noqa: F401", "forbidden"),
+        ("edgellm/engine/hardware.py", "import edgellm.cli  # noqa: F401", "forbidden"),
+        # inside the core, downwards only: the reader may not reach up into the model store
+        ("edgellm/gguf/reader.py", "import edgellm.models.store  # noqa: F401", "layers"),
+        ("quant/levels.py", "import tui.app  # noqa: F401", "layers"),
+    ],
+)
 def test_a_wrong_way_import_fails_naming_the_contract(tmp_path, module, line, kind):
     project = copy_project(tmp_path)
     add_import(project / module, line)

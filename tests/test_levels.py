@@ -8,13 +8,25 @@ from edgellm.errors import UsageError
 from quant.levels import ALIASES, FALLBACK, LEVELS, level_for_ftype, parse_level, type_bpw
 
 
-@pytest.mark.parametrize("text, name", [
-    ("q4_k_m", "Q4_K_M"), ("Q4_K_M", "Q4_K_M"), (" q8_0 ", "Q8_0"), ("q4-k-m", "Q4_K_M"), ("bf16", "BF16"),
-    # llama-quantize's aliases
-    ("q4_k", "Q4_K_M"), ("Q3_K", "Q3_K_M"), ("q5_k", "Q5_K_M"),
-    # the LLAMA_FTYPE number
-    ("15", "Q4_K_M"), ("7", "Q8_0"), ("0", "F32"), ("1", "F16"),
-])
+@pytest.mark.parametrize(
+    "text, name",
+    [
+        ("q4_k_m", "Q4_K_M"),
+        ("Q4_K_M", "Q4_K_M"),
+        (" q8_0 ", "Q8_0"),
+        ("q4-k-m", "Q4_K_M"),
+        ("bf16", "BF16"),
+        # llama-quantize's aliases
+        ("q4_k", "Q4_K_M"),
+        ("Q3_K", "Q3_K_M"),
+        ("q5_k", "Q5_K_M"),
+        # the LLAMA_FTYPE number
+        ("15", "Q4_K_M"),
+        ("7", "Q8_0"),
+        ("0", "F32"),
+        ("1", "F16"),
+    ],
+)
 def test_parse_level_names_aliases_and_numbers(text, name):
     lv = parse_level(text)
     assert lv.name == name and lv.key == name.lower()

@@ -27,8 +27,9 @@ def _peak_rss_of(argv: list[str], env: dict) -> tuple[int, dict]:
         "print(json.dumps({'rc': p.returncode, 'out': p.stdout, 'err': p.stderr[-2000:],\n"
         "                  'maxrss_kib': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", wrapper, json.dumps(argv)], env=env, capture_output=True, text=True,
-                          timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-c", wrapper, json.dumps(argv)], env=env, capture_output=True, text=True, timeout=1800
+    )
     res = json.loads(proc.stdout)
     assert res["rc"] == 0, res["err"]
     return res["maxrss_kib"] * 1024, json.loads(res["out"])
@@ -48,8 +49,22 @@ def test_one_estimate_everywhere_and_close_to_a_real_chat(default_gguf, tmp_path
 
     # recommend: measure the default model as a level of its own F16 (a short eval on the built-in corpus)
     base = run_cli("convert", DEFAULT_NAME, "--to", "f16", "--json", "--no-progress", env=env).json()["name"]
-    ev = run_cli("eval", base, "--levels", DEFAULT_LEVEL, "--corpus", "python-docs", "--ctx", "128", "--chunks", "2",
-                 "--json", "--no-progress", env=env, timeout=900)
+    ev = run_cli(
+        "eval",
+        base,
+        "--levels",
+        DEFAULT_LEVEL,
+        "--corpus",
+        "python-docs",
+        "--ctx",
+        "128",
+        "--chunks",
+        "2",
+        "--json",
+        "--no-progress",
+        env=env,
+        timeout=900,
+    )
     assert ev.exit_code == 0, ev.stderr
     rec_json = run_cli("recommend", "--ram", "64", "--ctx", str(DEFAULT_CTX), "--json", env=env).json()
     needs = {c["name"]: c["need_bytes"] for c in rec_json["considered"]}
@@ -59,13 +74,27 @@ def test_one_estimate_everywhere_and_close_to_a_real_chat(default_gguf, tmp_path
     low = dict(env, EDGELLM_FAKE_AVAILABLE_RAM=str(want - 1))
     guard = run_cli("chat", DEFAULT_NAME, "--ctx", str(DEFAULT_CTX), "-p", "hi", "--max-tokens", "1", env=low)
     assert guard.exit_code != 0 and f"needs ~{human_size(want)} at ctx {DEFAULT_CTX}" in guard.stderr, guard.stderr
-    ok = run_cli("chat", DEFAULT_NAME, "--ctx", str(DEFAULT_CTX), "-p", "hi", "--max-tokens", "1", "--json",
-                 env=dict(env, EDGELLM_FAKE_AVAILABLE_RAM=str(want)))
+    ok = run_cli(
+        "chat",
+        DEFAULT_NAME,
+        "--ctx",
+        str(DEFAULT_CTX),
+        "-p",
+        "hi",
+        "--max-tokens",
+        "1",
+        "--json",
+        env=dict(env, EDGELLM_FAKE_AVAILABLE_RAM=str(want)),
+    )
     assert ok.exit_code == 0, ok.stderr
 
     # a real chat process with the context nearly full: its peak RSS
     prompt = " ".join(f"Sentence {i} of a long prompt about rivers, bridges and the towns beside them." for i in range(200))
-    rss, out = _peak_rss_of(cli_argv("chat", DEFAULT_NAME, "--ctx", str(DEFAULT_CTX), "-p", prompt, "--max-tokens", "2",
-                                     "--temperature", "0", "--json"), env)
+    rss, out = _peak_rss_of(
+        cli_argv(
+            "chat", DEFAULT_NAME, "--ctx", str(DEFAULT_CTX), "-p", prompt, "--max-tokens", "2", "--temperature", "0", "--json"
+        ),
+        env,
+    )
     assert out["stats"]["prompt_tokens"] > 0.85 * DEFAULT_CTX, out["stats"]
     assert abs(want - rss) <= 0.10 * rss, f"estimate {want} vs peak RSS {rss} ({want / rss:.3f}x)"

@@ -55,7 +55,7 @@ if not getattr(sys, "_netguard_installed", False):
     _write({"pid": os.getpid(), "ppid": os.getppid(), "event": "guard-installed", "step": os.environ.get("NETGUARD_STEP", "")})
 '''
 
-WRAPPER = r'''
+WRAPPER = r"""
 import asyncio, json, os, sys
 import _netguard  # the audit hook, before edgellm is imported
 from edgellm.cli import main
@@ -88,7 +88,7 @@ seen, rows = asyncio.run(tui())
 results.append({"step": "tui", "rc": 0, "screens": seen, "store_rows": rows})
 with open(os.environ["NETGUARD_RESULTS"], "w") as fh:
     json.dump(results, fh)
-'''
+"""
 
 
 def test_offline_path_makes_no_connection(tmp_path):
@@ -109,26 +109,54 @@ def test_offline_path_makes_no_connection(tmp_path):
         ("inspect", ["inspect", "tiny-back-f32", "--json"]),
         ("chat", ["chat", "tiny-f16", "-p", "hello", "--max-tokens", "8", "--temperature", "0", "--ctx", "256"]),
         ("ppl", ["ppl", "tiny-q8_0", "--text", str(text), "--ctx", "64", "--chunks", "2", "--batch", "128", "--no-progress"]),
-        ("eval", ["eval", "tiny-f16", "--levels", "q8_0,q4_0", "--text", str(text), "--ctx", "64", "--chunks", "2",
-                  "--batch", "128", "--no-progress"]),
+        (
+            "eval",
+            [
+                "eval",
+                "tiny-f16",
+                "--levels",
+                "q8_0,q4_0",
+                "--text",
+                str(text),
+                "--ctx",
+                "64",
+                "--chunks",
+                "2",
+                "--batch",
+                "128",
+                "--no-progress",
+            ],
+        ),
         ("bench", ["bench", "tiny-q8_0", "--pp", "16", "--tg", "4", "-r", "1", "--no-progress"]),
         ("models", ["models", "list", "--local"]),
     ]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(guard_dir), str(ROOT)]),
-               NETGUARD_LOG=str(log), NETGUARD_RESULTS=str(results_file),
-               # Where a stray call would go: a routable-looking endpoint, not an offline flag.
-               HF_ENDPOINT="http://192.0.2.1:9")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(guard_dir), str(ROOT)]),
+        NETGUARD_LOG=str(log),
+        NETGUARD_RESULTS=str(results_file),
+        # Where a stray call would go: a routable-looking endpoint, not an offline flag.
+        HF_ENDPOINT="http://192.0.2.1:9",
+    )
     for var in ("HF_HUB_OFFLINE", "EDGELLM_OFFLINE"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-c", WRAPPER, json.dumps(steps)], env=env, cwd=str(ROOT),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", WRAPPER, json.dumps(steps)], env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(results_file.read_text())
     assert [r["step"] for r in results] == [s for s, _ in steps] + ["tui"]
     assert all(r["rc"] == 0 for r in results), (results, proc.stderr[-2000:])
     tui = results[-1]
-    assert tui["screens"] == ["ModelsScreen", "QuantizeScreen", "EvaluateScreen", "ChatScreen", "BenchScreen",
-                              "SystemScreen", "ModelsScreen"]
+    assert tui["screens"] == [
+        "ModelsScreen",
+        "QuantizeScreen",
+        "EvaluateScreen",
+        "ChatScreen",
+        "BenchScreen",
+        "SystemScreen",
+        "ModelsScreen",
+    ]
     assert {"tiny-f16", "tiny-q8_0", "tiny-q4_0", "tiny-back-f32"} <= set(tui["store_rows"])
 
     events = [json.loads(ln) for ln in log.read_text().splitlines()]
@@ -148,10 +176,18 @@ def test_the_guard_sees_a_real_attempt(tmp_path):
     guard_dir.mkdir()
     (guard_dir / "_netguard.py").write_text(NETGUARD)
     log = tmp_path / "net.jsonl"
-    code = ("import sys, _netguard\nfrom edgellm.cli import main\n"
-            "sys.exit(main(['pull', 'edge/tiny-GGUF', '--file', 'tiny-Q8_0.gguf']))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(guard_dir), str(ROOT)]), NETGUARD_LOG=str(log),
-               HF_ENDPOINT="http://127.0.0.1:9", EDGELLM_HUB_RETRIES="1", EDGELLM_HUB_BACKOFF="0.01")
+    code = (
+        "import sys, _netguard\nfrom edgellm.cli import main\n"
+        "sys.exit(main(['pull', 'edge/tiny-GGUF', '--file', 'tiny-Q8_0.gguf']))\n"
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(guard_dir), str(ROOT)]),
+        NETGUARD_LOG=str(log),
+        HF_ENDPOINT="http://127.0.0.1:9",
+        EDGELLM_HUB_RETRIES="1",
+        EDGELLM_HUB_BACKOFF="0.01",
+    )
     for var in ("HF_HUB_OFFLINE", "EDGELLM_OFFLINE"):
         env.pop(var, None)
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=120)

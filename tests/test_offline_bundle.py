@@ -38,8 +38,13 @@ def _no_network_namespace() -> None:
 
 def target_env(tmp: Path) -> dict[str, str]:
     """What a fresh target machine has: no PIP_* settings, no edgellm, its own HOME."""
-    return {"PATH": "/usr/bin:/bin", "HOME": str(tmp / "home"), "EDGELLM_HOME": str(tmp / "home" / "edgellm"),
-            "PYTHON": BASE_PYTHON, "LANG": "C.UTF-8"}
+    return {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp / "home"),
+        "EDGELLM_HOME": str(tmp / "home" / "edgellm"),
+        "PYTHON": BASE_PYTHON,
+        "LANG": "C.UTF-8",
+    }
 
 
 def run_install(bundle: Path, tmp: Path, *, namespace: bool = True, cpuinfo: Path | None = None) -> subprocess.CompletedProcess:
@@ -68,8 +73,13 @@ def bundle(default_gguf, tmp_path_factory) -> Path:
     register_default(default_gguf, home)
     dest = tmp_path_factory.mktemp("usb") / "edgellm-bundle"
     env = dict(os.environ, EDGELLM_HOME=str(home))
-    proc = subprocess.run([str(ROOT / "scripts" / "offline_bundle.sh"), str(dest), "--model", DEFAULT_NAME],
-                          env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "offline_bundle.sh"), str(dest), "--model", DEFAULT_NAME],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == str(dest)
     return dest
@@ -103,12 +113,38 @@ def test_installs_with_no_network_and_chat_answers(bundle, tmp_path):
     venv = tmp_path / "venv"
     assert out.strip().splitlines()[-1].startswith(f"next: {venv}/bin/edgellm chat {DEFAULT_NAME}")
     # the venv runs the bundle's llama.cpp build, not the test suite's
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import llama_cpp, edgellm; print(llama_cpp.__file__, edgellm.__file__)"],
-                           capture_output=True, text=True, env=target_env(tmp_path), cwd=tmp_path)
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import llama_cpp, edgellm; print(llama_cpp.__file__, edgellm.__file__)"],
+        capture_output=True,
+        text=True,
+        env=target_env(tmp_path),
+        cwd=tmp_path,
+    )
     assert where.returncode == 0 and all(p.startswith(str(venv)) for p in where.stdout.split()), where
-    chat = subprocess.run(["unshare", "-n", "--", str(venv / "bin" / "edgellm"), "chat", DEFAULT_NAME, "-p",
-                           "What is the capital of France?", "--max-tokens", "12", "--seed", "1", "--temperature", "0",
-                           "--no-history"], env=target_env(tmp_path), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    chat = subprocess.run(
+        [
+            "unshare",
+            "-n",
+            "--",
+            str(venv / "bin" / "edgellm"),
+            "chat",
+            DEFAULT_NAME,
+            "-p",
+            "What is the capital of France?",
+            "--max-tokens",
+            "12",
+            "--seed",
+            "1",
+            "--temperature",
+            "0",
+            "--no-history",
+        ],
+        env=target_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert chat.returncode == 0, chat.stderr[-2000:]
     assert chat.stdout.strip() and "12 tokens" in chat.stderr, chat
     # a second run is a no-op for the models and still proves the install
@@ -190,8 +226,13 @@ def avx512_bundle(default_gguf, tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("usb-zen4") / "edgellm-bundle"
     wheel = next((shared_cache() / "wheels").glob("[0-9a-f]*/llama_cpp_python-*.whl"))
     env = dict(os.environ, EDGELLM_HOME=str(home), EDGELLM_CPUINFO=str(ZEN4))
-    proc = subprocess.run([str(ROOT / "scripts" / "offline_bundle.sh"), str(dest), "--model", DEFAULT_NAME,
-                           "--llama-wheel", str(wheel)], env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "offline_bundle.sh"), str(dest), "--model", DEFAULT_NAME, "--llama-wheel", str(wheel)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dest
 
@@ -212,6 +253,8 @@ def test_a_bundle_made_on_an_avx512_cpu_installs_on_that_cpu(avx512_bundle, tmp_
 
 def test_a_bundle_made_on_an_avx512_cpu_is_refused_on_an_avx2_cpu_naming_each_missing_flag(avx512_bundle, tmp_path):
     line = _refused(run_install(avx512_bundle, tmp_path, namespace=False, cpuinfo=ZEN2), tmp_path)
-    assert line == ("error: this bundle's llama.cpp was built for CPUs with AVX512 (avx512f), AVX512_VBMI (avx512vbmi), "
-                    "AVX512_VNNI (avx512_vnni), AVX512_BF16 (avx512_bf16), which this CPU lacks "
-                    "(make the bundle from a portable build: scripts/setup.sh --portable); nothing was installed")
+    assert line == (
+        "error: this bundle's llama.cpp was built for CPUs with AVX512 (avx512f), AVX512_VBMI (avx512vbmi), "
+        "AVX512_VNNI (avx512_vnni), AVX512_BF16 (avx512_bf16), which this CPU lacks "
+        "(make the bundle from a portable build: scripts/setup.sh --portable); nothing was installed"
+    )

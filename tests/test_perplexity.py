@@ -12,9 +12,24 @@ from support.helpers import DEFAULT_NAME, CancelAfter, assert_one_line_error
 
 def llama_ppl(llama_bin: Path, model: Path, text: Path, *, ctx: int, chunks: int, batch: int, threads: int) -> float:
     proc = subprocess.run(
-        [str(llama_bin / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx), "-b", str(batch),
-         "--chunks", str(chunks), "-t", str(threads)],
-        capture_output=True, text=True, timeout=900,
+        [
+            str(llama_bin / "llama-perplexity"),
+            "-m",
+            str(model),
+            "-f",
+            str(text),
+            "-c",
+            str(ctx),
+            "-b",
+            str(batch),
+            "--chunks",
+            str(chunks),
+            "-t",
+            str(threads),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     m = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", proc.stdout + proc.stderr)
     assert m, f"llama-perplexity gave no estimate: {(proc.stdout + proc.stderr)[-1500:]}"
@@ -25,8 +40,22 @@ def test_ppl_equals_llama_perplexity(cli, default_model, default_gguf, wikitext,
     from edgellm.engine.runtime import default_threads
 
     t = default_threads()
-    res = cli("ppl", DEFAULT_NAME, "--text", wikitext, "--ctx", "256", "--chunks", "4", "--batch", "1024",
-              "--threads", t, "--json", "--no-progress")
+    res = cli(
+        "ppl",
+        DEFAULT_NAME,
+        "--text",
+        wikitext,
+        "--ctx",
+        "256",
+        "--chunks",
+        "4",
+        "--batch",
+        "1024",
+        "--threads",
+        t,
+        "--json",
+        "--no-progress",
+    )
     assert res.exit_code == 0, res
     d = res.json()
     ref, ref_err = llama_ppl(llama_tools, default_gguf, wikitext, ctx=256, chunks=4, batch=1024, threads=t)

@@ -30,15 +30,21 @@ from edgellm.engine import backends, cpu_features
 PORTABLE_VENV = Path(os.environ.get("EDGELLM_PORTABLE_VENV", ROOT / ".venv-portable"))
 GREEDY = ["--temperature", "0", "--top-k", "1", "--seed", "1", "--no-history", "--ctx", "512"]
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the CPU variants are x86-64 ones")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the CPU variants are x86-64 ones"),
+]
 
 
 @pytest.fixture(scope="session")
 def portable_python() -> Path:
     """The portable venv's python: setup.sh reuses the cached wheel (seconds), or builds it (~12 min on 2 cores)."""
-    proc = subprocess.run([str(ROOT / "scripts" / "setup.sh"), "--portable", "--venv", str(PORTABLE_VENV)],
-                          capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "setup.sh"), "--portable", "--venv", str(PORTABLE_VENV)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     assert proc.returncode == 0, f"building the portable variant failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
     return PORTABLE_VENV / "bin" / "python"
 
@@ -46,16 +52,20 @@ def portable_python() -> Path:
 def pcli(py: Path, cache: Path, *args, env: dict | None = None, timeout: float = 600) -> CliResult:
     full = {k: v for k, v in os.environ.items() if k not in (backends.FORCE_ENV, backends.BREAK_ENV, "GGML_BACKEND_PATH")}
     full.update({"EDGELLM_CACHE": str(cache), **(env or {})})
-    proc = subprocess.run([str(py), "-m", "edgellm.cli", *map(str, args)], env=full, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [str(py), "-m", "edgellm.cli", *map(str, args)], env=full, capture_output=True, text=True, timeout=timeout
+    )
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
 def best_enabled_variant(present: list[str]) -> str:
     """The widest x86 level whose every feature the kernel lists: worked out from /proc/cpuinfo alone."""
     flags = backends.cpu_flags()
-    ok = [n for n in present if n in backends.VARIANT_FEATURES
-          and all(cpu_features.BY_GGML[f].linux in flags for f in backends.VARIANT_FEATURES[n])]
+    ok = [
+        n
+        for n in present
+        if n in backends.VARIANT_FEATURES and all(cpu_features.BY_GGML[f].linux in flags for f in backends.VARIANT_FEATURES[n])
+    ]
     return max(ok, key=lambda n: len(backends.VARIANT_FEATURES[n]))
 
 
@@ -97,12 +107,19 @@ def test_chosen_variant_is_the_cpus_best_enabled_level(portable_python, default_
 def test_the_device_registry_sees_the_loaded_variant(portable_python, tmp_path):
     """The GPU plan and doctor ask ggml's registry; before the backends are loaded, or through a second
     copy of libggml, it is empty and every device query says "none"."""
-    code = ("from edgellm.engine import gpu; lib = gpu._ggml(); "
-            "print(lib.ggml_backend_dev_count(), [lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)).decode() "
-            "for i in range(lib.ggml_backend_reg_count())])")
+    code = (
+        "from edgellm.engine import gpu; lib = gpu._ggml(); "
+        "print(lib.ggml_backend_dev_count(), [lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)).decode() "
+        "for i in range(lib.ggml_backend_reg_count())])"
+    )
     env = {k: v for k, v in os.environ.items() if k not in (backends.FORCE_ENV, backends.BREAK_ENV, "GGML_BACKEND_PATH")}
-    proc = subprocess.run([str(portable_python), "-c", code], env={**env, "EDGELLM_CACHE": str(tmp_path / "cache")},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(portable_python), "-c", code],
+        env={**env, "EDGELLM_CACHE": str(tmp_path / "cache")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     n_dev, regs = proc.stdout.strip().splitlines()[-1].split(" ", 1)
     assert int(n_dev) >= 1 and "CPU" in regs and "RPC" in regs, proc.stdout
@@ -111,8 +128,18 @@ def test_the_device_registry_sees_the_loaded_variant(portable_python, tmp_path):
 def test_the_break_switch_kills_a_process_that_loads_the_variant(portable_python, default_gguf, tmp_path):
     """The switch is a real crash: forced onto the broken variant, chat dies with SIGILL."""
     want = best_enabled_variant(list(backends.VARIANT_FEATURES))
-    res = pcli(portable_python, tmp_path / "cache", "chat", default_gguf, "-p", "Hi", "--max-tokens", "2", *GREEDY,
-               env={backends.BREAK_ENV: want, backends.FORCE_ENV: want})
+    res = pcli(
+        portable_python,
+        tmp_path / "cache",
+        "chat",
+        default_gguf,
+        "-p",
+        "Hi",
+        "--max-tokens",
+        "2",
+        *GREEDY,
+        env={backends.BREAK_ENV: want, backends.FORCE_ENV: want},
+    )
     assert res.exit_code == -4, res  # -SIGILL
 
 
@@ -120,8 +147,19 @@ def test_a_crashing_variant_is_skipped_by_doctor_and_chat(portable_python, defau
     best = best_enabled_variant(list(backends.VARIANT_FEATURES))
     broken = {backends.BREAK_ENV: best}
     # chat on a machine with nothing remembered: it self-tests, skips the crashing variant, answers
-    chat = pcli(portable_python, tmp_path / "chat-cache", "chat", default_gguf, "-p", "Name three colours.",
-                "--max-tokens", "8", "--json", *GREEDY, env=broken)
+    chat = pcli(
+        portable_python,
+        tmp_path / "chat-cache",
+        "chat",
+        default_gguf,
+        "-p",
+        "Name three colours.",
+        "--max-tokens",
+        "8",
+        "--json",
+        *GREEDY,
+        env=broken,
+    )
     assert chat.exit_code == 0, chat
     assert chat.json()["stats"]["generated_tokens"] == 8 and chat.json()["reply"].strip()
     # doctor says which variant runs and why, the crashed one with its signal
@@ -134,15 +172,30 @@ def test_a_crashing_variant_is_skipped_by_doctor_and_chat(portable_python, defau
     assert rows[best]["status"] == "crashed" and "SIGILL" in rows[best]["reason"], rows[best]
     assert f"skipped {best} crashed (SIGILL)" in cb["reason"], cb["reason"]
     # the fallback is the next-best-scored variant the CPU supports
-    passed = sorted((v for v in rows.values() if v["score"] and v["name"] != best and v["status"] in ("chosen", "not tried")),
-                    key=lambda v: -v["score"])
+    passed = sorted(
+        (v for v in rows.values() if v["score"] and v["name"] != best and v["status"] in ("chosen", "not tried")),
+        key=lambda v: -v["score"],
+    )
     assert passed[0]["name"] == cb["variant"]
     assert doc["self_test"]["ok"], doc["self_test"]
     text = pcli(portable_python, tmp_path / "doctor-cache", "doctor", "--model", default_gguf, env=broken)
     assert text.exit_code == 0, text
-    assert f"cpu backend       {cb['variant']} (remembered): best variant that passed the self-test; skipped {best} crashed (SIGILL)" \
-        in text.stdout, text.stdout
+    assert (
+        f"cpu backend       {cb['variant']} (remembered): best variant that passed the self-test; skipped {best} crashed (SIGILL)"
+        in text.stdout
+    ), text.stdout
     # and a later chat, with the choice remembered, answers without any self-test
-    again = pcli(portable_python, tmp_path / "doctor-cache", "chat", default_gguf, "-p", "Hi", "--max-tokens", "4", "--json",
-                 *GREEDY, env=broken)
+    again = pcli(
+        portable_python,
+        tmp_path / "doctor-cache",
+        "chat",
+        default_gguf,
+        "-p",
+        "Hi",
+        "--max-tokens",
+        "4",
+        "--json",
+        *GREEDY,
+        env=broken,
+    )
     assert again.exit_code == 0 and again.json()["stats"]["generated_tokens"] == 4, again

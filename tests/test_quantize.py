@@ -228,8 +228,17 @@ def test_read_only_output_folder(cli, f16_model, edgellm_home, tmp_path):
     ro = tmp_path / "ro"
     undo = _read_only_folder(ro)
     try:
-        assert_refused(cli, edgellm_home, "quantize", F16_NAME, "--level", "q4_0", "-o", str(ro / "out.gguf"),
-                       says="cannot write to the output folder")
+        assert_refused(
+            cli,
+            edgellm_home,
+            "quantize",
+            F16_NAME,
+            "--level",
+            "q4_0",
+            "-o",
+            str(ro / "out.gguf"),
+            says="cannot write to the output folder",
+        )
         assert list(ro.iterdir()) == []
     finally:
         undo()
@@ -247,11 +256,12 @@ def test_full_disk_preflight_names_the_model_and_the_levels(cli, f16_model, edge
     # each level has its own folder; the first one checked is q4_0's, with its own estimate
     need = estimate_size(info, parse_level("q4_0")) + DISK_MARGIN
     folder = Store().models_dir / "smollm2-135m-instruct-q4_0"
-    res = assert_refused(cli, edgellm_home, "quantize", F16_NAME, "--level", "q4_0", "--level", "q8_0",
-                         says="not enough disk")
+    res = assert_refused(cli, edgellm_home, "quantize", F16_NAME, "--level", "q4_0", "--level", "q8_0", says="not enough disk")
     # the whole line: the model by its store name and both levels (a reused name once made it "None")
-    want = (f"error: not enough disk for quantizing {F16_NAME} to q4_0, q8_0: need {human_size(need)} "
-            f"(incl. {human_size(DISK_MARGIN)} margin) in {folder}, {human_size(free)} free")
+    want = (
+        f"error: not enough disk for quantizing {F16_NAME} to q4_0, q8_0: need {human_size(need)} "
+        f"(incl. {human_size(DISK_MARGIN)} margin) in {folder}, {human_size(free)} free"
+    )
     assert res.stderr.strip() == want
 
 
@@ -264,8 +274,9 @@ def test_real_file_size_limit(f16_model, edgellm_home):
 
     before = store_snapshot(edgellm_home)
     # two levels side by side: the first failure stops the other worker too
-    proc = start_cli("quantize", F16_NAME, "--level", "q8_0", "--level", "q4_0", "--threads", "2", "--no-progress",
-                     preexec_fn=limit)
+    proc = start_cli(
+        "quantize", F16_NAME, "--level", "q8_0", "--level", "q4_0", "--threads", "2", "--no-progress", preexec_fn=limit
+    )
     out, err = proc.communicate(timeout=300)
     assert proc.returncode != 0 and "Traceback" not in err
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]

@@ -40,8 +40,12 @@ class Worker:
 
     def __init__(self, *extra: str) -> None:
         self.port = free_port()
-        self.proc = subprocess.Popen(cli_argv("worker", "--port", self.port, "--threads", "1", *extra),
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            cli_argv("worker", "--port", self.port, "--threads", "1", *extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         line = _readline(self.proc.stdout, 60)
         assert f"listening on 127.0.0.1:{self.port}" in line, (line, self.proc.poll())
         self.banner = line
@@ -80,8 +84,24 @@ def workers():
 
 
 def _chat(model: str, *extra: str, max_tokens: int = 16):
-    return run_cli("chat", model, "-p", PROMPT, "--temperature", "0", "--max-tokens", max_tokens, "--no-history",
-                   "--threads", "1", "--ctx", "512", "--json", *extra, timeout=900)
+    return run_cli(
+        "chat",
+        model,
+        "-p",
+        PROMPT,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        max_tokens,
+        "--no-history",
+        "--threads",
+        "1",
+        "--ctx",
+        "512",
+        "--json",
+        *extra,
+        timeout=900,
+    )
 
 
 @pytest.mark.parametrize("which", ["q4_1", "f16"])
@@ -103,7 +123,10 @@ def test_chat_over_two_workers_gives_the_local_reply(request, workers, default_m
     assert devs[-1]["output_layer"] and not devs[0]["output_layer"]
     assert [d["memory_bytes"] for d in devs[1:]] == [8 * GiB, 8 * GiB]  # what --mem offered
     # llama.cpp's split: the local layers stay on the CPU, the rest (and the output) by tensor_split
-    assert plan["n_gpu_layers"] == 31 - devs[0]["n_layers"] and plan["tensor_split"] == [devs[1]["n_layers"], devs[2]["n_layers"] + 1]
+    assert plan["n_gpu_layers"] == 31 - devs[0]["n_layers"] and plan["tensor_split"] == [
+        devs[1]["n_layers"],
+        devs[2]["n_layers"] + 1,
+    ]
     # the plan is printed before loading, naming every device
     assert "plan: 30 layers + output over 3 devices" in split.stderr
     assert all(w.address in split.stderr for w in workers)
@@ -113,8 +136,10 @@ def test_plan_by_memory_and_by_split(default_gguf):
     from edgellm.engine.rpc import Endpoint, WorkerInfo, parse_split, plan
     from edgellm.errors import InsufficientResources, UsageError
 
-    ws = [WorkerInfo(Endpoint("10.0.0.2", 50052), (7, 0, 0), [(4 * GiB, 4 * GiB)]),
-          WorkerInfo(Endpoint("10.0.0.3", 50052), (7, 0, 0), [(4 * GiB, 4 * GiB)])]
+    ws = [
+        WorkerInfo(Endpoint("10.0.0.2", 50052), (7, 0, 0), [(4 * GiB, 4 * GiB)]),
+        WorkerInfo(Endpoint("10.0.0.3", 50052), (7, 0, 0), [(4 * GiB, 4 * GiB)]),
+    ]
     p = plan(default_gguf, ws, local_memory=4 * GiB, n_ctx=512)
     # 31 positions (30 layers + output) in thirds; the leftover one to the first device
     assert [d.n_layers for d in p.devices] == [11, 10, 9] and p.devices[2].has_output
@@ -131,14 +156,17 @@ def test_plan_by_memory_and_by_split(default_gguf):
         plan(default_gguf, tiny, local_memory=4 * GiB, n_ctx=512, split=[1, 1])
 
 
-@pytest.mark.parametrize("address, needle", [
-    ("nonsense", "is not HOST:PORT"),
-    ("127.0.0.1:0", "port must be a number from 1 to 65535"),
-    ("127.0.0.1:http", "port must be a number"),
-    ("[::1]:50052", "IPv4 only"),
-    ("bad host!:50052", "not a host name"),
-    ("127.0.0.1:5000,127.0.0.1:5000", "listed twice"),
-])
+@pytest.mark.parametrize(
+    "address, needle",
+    [
+        ("nonsense", "is not HOST:PORT"),
+        ("127.0.0.1:0", "port must be a number from 1 to 65535"),
+        ("127.0.0.1:http", "port must be a number"),
+        ("[::1]:50052", "IPv4 only"),
+        ("bad host!:50052", "not a host name"),
+        ("127.0.0.1:5000,127.0.0.1:5000", "listed twice"),
+    ],
+)
 def test_malformed_rpc_address_is_one_line(cli, default_model, address, needle):
     res = cli("chat", DEFAULT_NAME, "-p", "hi", "--no-history", "--rpc", address)
     assert_one_line_error(res)
@@ -195,12 +223,15 @@ class _FakeWorker:
                     pass
 
 
-@pytest.mark.parametrize("reply, needle", [
-    (struct.pack("<Q", 28) + bytes([6, 0, 0, 0]) + bytes(24), "speaks RPC protocol 6.0.0, this build speaks 7.0.0"),
-    (struct.pack("<Q", 28) + bytes([7, 9, 0, 0]) + bytes(24), "speaks RPC protocol 7.9.0"),
-    (None, "closed the connection at the RPC hello"),  # an older build drops a hello of the wrong size
-    (struct.pack("<Q", 3) + bytes([3, 0, 0]), "answered the RPC hello with 3 bytes"),
-])
+@pytest.mark.parametrize(
+    "reply, needle",
+    [
+        (struct.pack("<Q", 28) + bytes([6, 0, 0, 0]) + bytes(24), "speaks RPC protocol 6.0.0, this build speaks 7.0.0"),
+        (struct.pack("<Q", 28) + bytes([7, 9, 0, 0]) + bytes(24), "speaks RPC protocol 7.9.0"),
+        (None, "closed the connection at the RPC hello"),  # an older build drops a hello of the wrong size
+        (struct.pack("<Q", 3) + bytes([3, 0, 0]), "answered the RPC hello with 3 bytes"),
+    ],
+)
 def test_a_worker_of_an_incompatible_build_is_one_line(cli, default_model, reply, needle):
     fake = _FakeWorker(reply)
     try:
@@ -233,10 +264,28 @@ def _kill_when_output_starts(proc: subprocess.Popen, victim: Worker) -> float:
 def test_killing_a_worker_mid_reply_ends_chat_with_one_line(default_model):
     a, b = Worker(), Worker()
     try:
-        proc = subprocess.Popen(cli_argv("chat", DEFAULT_NAME, "-p", "Count from 1 to 300, separated by commas.",
-                                         "--temperature", "0", "--max-tokens", "600", "--no-history", "--threads", "1",
-                                         "--ctx", "1024", "--rpc", f"{a.address},{b.address}"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            cli_argv(
+                "chat",
+                DEFAULT_NAME,
+                "-p",
+                "Count from 1 to 300, separated by commas.",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "600",
+                "--no-history",
+                "--threads",
+                "1",
+                "--ctx",
+                "1024",
+                "--rpc",
+                f"{a.address},{b.address}",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         t0 = _kill_when_output_starts(proc, b)
         try:
             proc.wait(timeout=10)
@@ -274,9 +323,25 @@ def serve_over_two_workers(ctx: int):
     kills one. On the way out Ctrl-C must stop serve within 30 s; its stderr is then in `.err`."""
     a, b = Worker(), Worker()
     port = free_port()
-    server = subprocess.Popen(cli_argv("serve", DEFAULT_NAME, "--port", port, "--threads", "1", "--ctx", ctx, "--parallel", "1",
-                                       "--rpc", f"{a.address},{b.address}"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        cli_argv(
+            "serve",
+            DEFAULT_NAME,
+            "--port",
+            port,
+            "--threads",
+            "1",
+            "--ctx",
+            ctx,
+            "--parallel",
+            "1",
+            "--rpc",
+            f"{a.address},{b.address}",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     s = SimpleNamespace(a=a, b=b, port=port, url=f"http://127.0.0.1:{port}/v1/chat/completions", server=server, err="")
     try:
         assert "listening on" in _readline(server.stdout, 120)
@@ -299,8 +364,11 @@ def test_killing_a_worker_mid_request_gives_serve_a_503_and_no_hang(default_mode
         status, body = _post(url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})  # loads the model
         assert status == 200, body
         box: list = []
-        long_req = {"messages": [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}],
-                    "max_tokens": 1500, "temperature": 0}
+        long_req = {
+            "messages": [{"role": "user", "content": "Count from 1 to 1000, separated by commas."}],
+            "max_tokens": 1500,
+            "temperature": 0,
+        }
         t = threading.Thread(target=lambda: box.append(_post(url, long_req)), daemon=True)
         t.start()
         deadline = time.monotonic() + 60
@@ -349,8 +417,22 @@ def test_ppl_over_two_workers_equals_the_local_ppl(workers, default_model):
 def test_bench_over_two_workers_reports_both_speeds_and_the_network_share(workers, default_model):
     from edgellm.profile.bench_rpc import llama_bench_args
 
-    res = run_cli("bench", DEFAULT_NAME, "--rpc", ",".join(w.address for w in workers), "--pp", "32", "--tg", "8",
-                  "-r", "1", "--threads", "1", "--json", timeout=900)
+    res = run_cli(
+        "bench",
+        DEFAULT_NAME,
+        "--rpc",
+        ",".join(w.address for w in workers),
+        "--pp",
+        "32",
+        "--tg",
+        "8",
+        "-r",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+        timeout=900,
+    )
     assert res.exit_code == 0, res
     out = res.json()
     assert [r["test"] for r in out["rows"]] == ["pp32", "tg8"]
@@ -361,8 +443,13 @@ def test_bench_over_two_workers_reports_both_speeds_and_the_network_share(worker
     assert [d["device"] for d in plan["devices"]] == ["local", "RPC0", "RPC1"]
 
     # llama-bench gets the same split: RPC devices first, -ngl and -ts from the plan
-    args = llama_bench_args(SimpleNamespace(workers=[SimpleNamespace(endpoint=w.address) for w in workers],
-                                            n_gpu_layers=plan["n_gpu_layers"], tensor_split=plan["tensor_split"]))
+    args = llama_bench_args(
+        SimpleNamespace(
+            workers=[SimpleNamespace(endpoint=w.address) for w in workers],
+            n_gpu_layers=plan["n_gpu_layers"],
+            tensor_split=plan["tensor_split"],
+        )
+    )
     assert args[:2] == ["--rpc", ",".join(w.address for w in workers)]
     assert args[3] == str(plan["n_gpu_layers"]) and args[5] == "/".join(f"{x:g}" for x in plan["tensor_split"])
 
@@ -385,8 +472,11 @@ def test_a_worker_that_died_while_serve_was_idle_is_a_503_before_any_work(defaul
 def test_llama_cpps_own_rpc_server_serves_an_edgellm_host(workers, default_model, llama_tools):
     """Same protocol both ways: llama.cpp's ggml-rpc-server (same vendored tree) beside an edgellm worker."""
     port = free_port()
-    srv = subprocess.Popen([str(llama_tools / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = subprocess.Popen(
+        [str(llama_tools / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         from edgellm.engine.rpc import Endpoint, RpcError, probe
 

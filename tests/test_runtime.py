@@ -10,13 +10,7 @@ import pytest
 
 from edgellm.errors import UsageError
 from edgellm.progress import CancelToken
-from edgellm.engine.runtime import (
-    KV_BYTES_PER_ELEMENT,
-    GenerationStats,
-    Runtime,
-    RuntimeOptions,
-    SamplingParams,
-)
+from edgellm.engine.runtime import KV_BYTES_PER_ELEMENT, GenerationStats, Runtime, RuntimeOptions, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +52,9 @@ def test_cancel_stops_and_runtime_stays_usable(rt):
     cancel = CancelToken()
     st = GenerationStats()
     n = 0
-    for _ in rt.stream(_prompt(rt, "Tell me a long story."), SamplingParams(max_tokens=200, seed=1, temperature=0.8), cancel=cancel, stats=st):
+    for _ in rt.stream(
+        _prompt(rt, "Tell me a long story."), SamplingParams(max_tokens=200, seed=1, temperature=0.8), cancel=cancel, stats=st
+    ):
         n += 1
         if n == 3:
             cancel.cancel()
@@ -81,7 +77,10 @@ def test_grammar_checked_by_llama_cpp(rt):
         rt.check_grammar('answer ::= "a"')
     from llama_cpp.llama_grammar import LlamaGrammar
 
-    text, st = rt.complete(_prompt(rt, "Is water wet?"), SamplingParams(max_tokens=8, seed=3, grammar=LlamaGrammar.from_string('root ::= "yes" | "no"')))
+    text, st = rt.complete(
+        _prompt(rt, "Is water wet?"),
+        SamplingParams(max_tokens=8, seed=3, grammar=LlamaGrammar.from_string('root ::= "yes" | "no"')),
+    )
     assert text in ("yes", "no")
 
 

@@ -50,8 +50,22 @@ def _start(home: Path, *args: str) -> tuple[subprocess.Popen, str]:
 def server(tmp_path_factory, default_gguf):
     home = tmp_path_factory.mktemp("serve-home")
     _register(home, default_gguf, DEFAULT_NAME, SECOND)
-    proc, url = _start(home, DEFAULT_NAME, "--api-key", KEY, "--queue", "1", "--ctx", str(CTX), "--max-loaded", "1", "--threads", "1",
-                       "--parallel", "1")
+    proc, url = _start(
+        home,
+        DEFAULT_NAME,
+        "--api-key",
+        KEY,
+        "--queue",
+        "1",
+        "--ctx",
+        str(CTX),
+        "--max-loaded",
+        "1",
+        "--threads",
+        "1",
+        "--parallel",
+        "1",
+    )
     yield url
     stop_process(proc, timeout=20)
     err = proc.stderr.read()
@@ -97,8 +111,11 @@ def _template_prompt_tokens(gguf: Path, messages: list[dict]) -> int:
     template = read_gguf(gguf).chat_template
     llm = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
     try:
-        text = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template).render(
-            messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        text = (
+            ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            .from_string(template)
+            .render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        )
         return len(llm.tokenize(text.encode(), add_bos=False, special=True))
     finally:
         llm.close()
@@ -145,8 +162,13 @@ def test_completion_without_model_uses_the_default(client):
 
 def test_chat_streaming(client):
     stream = client.chat.completions.create(
-        model=DEFAULT_NAME, messages=[{"role": "user", "content": "Write one sentence about the sea."}],
-        max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True})
+        model=DEFAULT_NAME,
+        messages=[{"role": "user", "content": "Write one sentence about the sea."}],
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -159,36 +181,51 @@ def test_chat_streaming(client):
 
 
 def test_completion_streaming(client):
-    chunks = list(client.completions.create(model=DEFAULT_NAME, prompt="One, two, three,", max_tokens=8, temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(model=DEFAULT_NAME, prompt="One, two, three,", max_tokens=8, temperature=0, stream=True)
+    )
     assert len(chunks) >= 3
     assert chunks[-1].choices[0].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 8
 
 
 def test_json_schema_reply_validates(client):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     r = client.chat.completions.create(
-        model=DEFAULT_NAME, messages=[{"role": "user", "content": "Describe a person as JSON with a name and an age."}],
-        max_tokens=80, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+        model=DEFAULT_NAME,
+        messages=[{"role": "user", "content": "Describe a person as JSON with a name and an age."}],
+        max_tokens=80,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+    )
     assert r.choices[0].finish_reason == "stop", r
     obj = json.loads(r.choices[0].message.content)
     jsonschema.validate(obj, schema)
 
 
 def test_json_object_is_json(client):
-    r = client.chat.completions.create(model=DEFAULT_NAME, messages=[{"role": "user", "content": "Say hi"}],
-                                       max_tokens=6, temperature=0, response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model=DEFAULT_NAME,
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=6,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     assert r.choices[0].message.content.lstrip().startswith(("{", "["))
 
 
 def test_bad_json_schema_is_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
-            model=DEFAULT_NAME, messages=[{"role": "user", "content": "x"}],
-            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+            model=DEFAULT_NAME,
+            messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
+        )
     _assert_error_body(e.value.response.json(), code="invalid_schema", param="response_format")
 
 
@@ -249,8 +286,12 @@ def _wait_for(pred, what: str, timeout: float = 60) -> None:
 def test_full_queue_is_429_then_cancelled_streams_free_it(server, client):
     def long_stream():
         return client.chat.completions.create(
-            model=DEFAULT_NAME, messages=[{"role": "user", "content": "Write a long story."}], max_tokens=CTX - 100,
-            stream=True, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": LONG_SCHEMA}})
+            model=DEFAULT_NAME,
+            messages=[{"role": "user", "content": "Write a long story."}],
+            max_tokens=CTX - 100,
+            stream=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": LONG_SCHEMA}},
+        )
 
     first = long_stream()
     next(iter(first))  # running now
@@ -280,8 +321,12 @@ def test_full_queue_is_429_then_cancelled_streams_free_it(server, client):
 def test_client_that_gives_up_while_queued_is_never_run(server, client):
     def long_request(c, stream):
         return c.chat.completions.create(
-            model=DEFAULT_NAME, messages=[{"role": "user", "content": "Write a long story."}], max_tokens=900,
-            stream=stream, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": LONG_SCHEMA}})
+            model=DEFAULT_NAME,
+            messages=[{"role": "user", "content": "Write a long story."}],
+            max_tokens=900,
+            stream=stream,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": LONG_SCHEMA}},
+        )
 
     served = _health(server)[DEFAULT_NAME]["served"]
     first = long_request(client, True)
@@ -316,8 +361,12 @@ def test_sigterm_cancels_in_flight_stream_and_exits_cleanly(tmp_path, default_gg
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         stream = c.completions.create(
-            model=DEFAULT_NAME, prompt="Once", max_tokens=400, stream=True,
-            extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": LONG_SCHEMA}}})
+            model=DEFAULT_NAME,
+            prompt="Once",
+            max_tokens=400,
+            stream=True,
+            extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": LONG_SCHEMA}}},
+        )
         it = iter(stream)
         next(it)
         proc.send_signal(signal.SIGTERM)
@@ -360,9 +409,18 @@ def test_cli_errors_are_one_line(cli, default_model):
 
 PAR = 4
 PAR_CTX = 8192  # 2,048 tokens per slot: room for a 1,000-token system prompt
-QUESTIONS = ["Write a sentence about the sea.", "What is 2+2?", "Name three colors.", "Tell me about cats.",
-             "Why is the sky blue?", "Count to five.", "What is Python?", "Describe a tree.", "Give me a fruit.",
-             "What is rain?"]
+QUESTIONS = [
+    "Write a sentence about the sea.",
+    "What is 2+2?",
+    "Name three colors.",
+    "Tell me about cats.",
+    "Why is the sky blue?",
+    "Count to five.",
+    "What is Python?",
+    "Describe a tree.",
+    "Give me a fruit.",
+    "What is rain?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -383,8 +441,9 @@ def _par_client(url: str) -> openai.OpenAI:
 
 
 def _ask(c: openai.OpenAI, q: str, max_tokens: int = 24, **kw):
-    return c.chat.completions.create(model=DEFAULT_NAME, messages=[{"role": "user", "content": q}], max_tokens=max_tokens,
-                                     temperature=0, **kw)
+    return c.chat.completions.create(
+        model=DEFAULT_NAME, messages=[{"role": "user", "content": q}], max_tokens=max_tokens, temperature=0, **kw
+    )
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -435,9 +494,15 @@ def test_shared_system_prompt_is_served_from_the_prefix_cache(batching):
     _, url = batching
     c = _par_client(url)
     system = " ".join(f"Rule {i}: when asked about topic {i}, answer in one short, polite sentence." for i in range(60))
-    rs = [c.chat.completions.create(model=DEFAULT_NAME, max_tokens=4, temperature=0,
-                                    messages=[{"role": "system", "content": system}, {"role": "user", "content": q}])
-          for q in QUESTIONS[:8]]
+    rs = [
+        c.chat.completions.create(
+            model=DEFAULT_NAME,
+            max_tokens=4,
+            temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+        )
+        for q in QUESTIONS[:8]
+    ]
     assert rs[0].usage.prompt_tokens > 1000
     first_ms = rs[0].model_extra["timings"]["prompt_ms"]
     for r in rs[1:]:
@@ -476,8 +541,13 @@ def test_client_killed_mid_stream_frees_its_sequence_others_unchanged(batching):
         freed["seconds"] = time.monotonic() - t0
         freed["active"] = _metrics(url)[active]
 
-    texts = _concurrently([lambda: _stream_text(c, a, 64), lambda: _stream_text(c, b, 64),
-                           lambda: _stream_text(c, k, 200, stop_after=3, on_stop=on_stop)])
+    texts = _concurrently(
+        [
+            lambda: _stream_text(c, a, 64),
+            lambda: _stream_text(c, b, 64),
+            lambda: _stream_text(c, k, 200, stop_after=3, on_stop=on_stop),
+        ]
+    )
     assert freed["active"] <= 2 and freed["seconds"] < 2, freed  # the others were still running: freed at the next step
     assert texts[:2] == reference, (texts, reference)
     _wait_for(lambda: _metrics(url)[active] == 0, "every sequence to finish")
@@ -491,8 +561,16 @@ def _bad_requests(url: str) -> list[tuple[str, bytes, int]]:
         ("invalid JSON", b'{"model": "x", "messages": [', 400),
         ("unknown model", json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "Hi"}]}).encode(), 404),
         ("max_tokens beyond the context", chat(max_tokens=PAR_CTX), 400),
-        ("invalid schema", chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}), 400),
-        ("prompt longer than the context", json.dumps({"model": DEFAULT_NAME, "prompt": long_prompt, "max_tokens": 1}).encode(), 400),
+        (
+            "invalid schema",
+            chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+            400,
+        ),
+        (
+            "prompt longer than the context",
+            json.dumps({"model": DEFAULT_NAME, "prompt": long_prompt, "max_tokens": 1}).encode(),
+            400,
+        ),
         ("10 MB body", b'{"prompt": "' + b"x" * (10 * 1024 * 1024) + b'"}', 413),
     ]
 
@@ -508,8 +586,16 @@ def _mixed_round(url: str, n: int, reference: dict) -> list[str]:
             jobs.append((what, path, body, status))
         else:
             q = QUESTIONS[i % 4]
-            jobs.append((q, "/v1/chat/completions", json.dumps({"model": DEFAULT_NAME, "messages": [{"role": "user", "content": q}],
-                                                                "max_tokens": 8, "temperature": 0}).encode(), 200))
+            jobs.append(
+                (
+                    q,
+                    "/v1/chat/completions",
+                    json.dumps(
+                        {"model": DEFAULT_NAME, "messages": [{"role": "user", "content": q}], "max_tokens": 8, "temperature": 0}
+                    ).encode(),
+                    200,
+                )
+            )
     problems: list[str] = []
 
     def one(job):
@@ -532,7 +618,7 @@ def _mixed_round(url: str, n: int, reference: dict) -> list[str]:
                 problems.append(f"{what}: {e}")
 
     for start in range(0, n, 8):
-        _concurrently([lambda j=j: one(j) for j in jobs[start:start + 8]])
+        _concurrently([lambda j=j: one(j) for j in jobs[start : start + 8]])
     return problems
 
 
@@ -553,14 +639,24 @@ def test_each_sequence_in_a_batch_keeps_its_own_schema_and_stop_strings(batching
     """Per-sequence sampler chains: a JSON schema, llama.cpp's JSON grammar and a stop string decoded in one batch."""
     _, url = batching
     c = _par_client(url)
-    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 20}}, "required": ["colour"],
-              "additionalProperties": False}
-    r_schema, r_json, r_stop = _concurrently([
-        lambda: _ask(c, "Name a colour as JSON.", max_tokens=40,
-                     response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}),
-        lambda: _ask(c, "Say hi as JSON.", max_tokens=12, response_format={"type": "json_object"}),
-        lambda: _ask(c, "Write two sentences about the sea.", max_tokens=60, stop=["."]),
-    ])
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"type": "string", "maxLength": 20}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    r_schema, r_json, r_stop = _concurrently(
+        [
+            lambda: _ask(
+                c,
+                "Name a colour as JSON.",
+                max_tokens=40,
+                response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+            ),
+            lambda: _ask(c, "Say hi as JSON.", max_tokens=12, response_format={"type": "json_object"}),
+            lambda: _ask(c, "Write two sentences about the sea.", max_tokens=60, stop=["."]),
+        ]
+    )
     assert r_schema.choices[0].finish_reason == "stop", r_schema
     jsonschema.validate(json.loads(r_schema.choices[0].message.content), schema)
     assert r_json.choices[0].message.content.lstrip().startswith(("{", "["))

@@ -18,8 +18,17 @@ import pytest
 from support.helpers import DEFAULT_NAME, register_default
 from support.serve_proc import start_serve, stop_process
 
-ADD = {"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 HI = [{"role": "user", "content": "Hi"}]
 
 
@@ -27,8 +36,9 @@ HI = [{"role": "user", "content": "Hi"}]
 def served(tmp_path_factory, default_gguf):
     home = tmp_path_factory.mktemp("limits-home")
     register_default(default_gguf, home)
-    proc, url = start_serve(DEFAULT_NAME, "--parallel", "4", "--threads", "1", "--queue", "64",
-                            env=dict(os.environ, EDGELLM_HOME=str(home)))
+    proc, url = start_serve(
+        DEFAULT_NAME, "--parallel", "4", "--threads", "1", "--queue", "64", env=dict(os.environ, EDGELLM_HOME=str(home))
+    )
     yield proc, url
     stop_process(proc, timeout=20)
     err = proc.stderr.read()
@@ -56,17 +66,49 @@ def _openai_error(status: int, body: dict, *, code: str | None = None, param: st
 
 
 BAD = {
-    "tool schema is not JSON Schema": ({"messages": HI, "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "no-such-type"}}}]}, "invalid_schema", "tools[0].function.parameters"),
-    "tool_choice names no tool": ({"messages": HI, "tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "mul"}}},
-                                  "invalid_value", "tool_choice"),
-    "tool message without a call": ({"messages": HI + [{"role": "tool", "tool_call_id": "call_x", "content": "3"}]},
-                                    "invalid_tool_message", "messages[1].tool_call_id"),
+    "tool schema is not JSON Schema": (
+        {"messages": HI, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}]},
+        "invalid_schema",
+        "tools[0].function.parameters",
+    ),
+    "tool_choice names no tool": (
+        {"messages": HI, "tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "mul"}}},
+        "invalid_value",
+        "tool_choice",
+    ),
+    "tool message without a call": (
+        {"messages": HI + [{"role": "tool", "tool_call_id": "call_x", "content": "3"}]},
+        "invalid_tool_message",
+        "messages[1].tool_call_id",
+    ),
     "top_logprobs over 20": ({"messages": HI, "logprobs": True, "top_logprobs": 21}, "invalid_value", "top_logprobs"),
-    "50,000-value enum": ({"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "string", "enum": [f"v{i}" for i in range(50_000)]}}}}, "invalid_schema", "response_format"),
-    "50,000-value enum in a tool": ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"enum": list(range(50_000))}}}}}]}, "invalid_schema", "tools[0].function.parameters"),
+    "50,000-value enum": (
+        {
+            "messages": HI,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "enum": [f"v{i}" for i in range(50_000)]}},
+            },
+        },
+        "invalid_schema",
+        "response_format",
+    ),
+    "50,000-value enum in a tool": (
+        {
+            "messages": HI,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"x": {"enum": list(range(50_000))}}},
+                    },
+                }
+            ],
+        },
+        "invalid_schema",
+        "tools[0].function.parameters",
+    ),
 }
 
 
@@ -100,9 +142,11 @@ def test_a_huge_schema_neither_stalls_streams_nor_takes_long(served):
     gaps: list[float] = []
 
     def stream() -> None:
-        req = urllib.request.Request(url + "/v1/completions", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"prompt": "Once upon a time", "max_tokens": 60, "temperature": 0,
-                                                      "stream": True}).encode())
+        req = urllib.request.Request(
+            url + "/v1/completions",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"prompt": "Once upon a time", "max_tokens": 60, "temperature": 0, "stream": True}).encode(),
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             last = time.monotonic()
             for line in r:
@@ -121,7 +165,9 @@ def test_a_huge_schema_neither_stalls_streams_nor_takes_long(served):
         assert status == 400 and "the limit is 1024" in reply["error"]["message"], reply
     refused_in = (time.monotonic() - t0) / 3
     t.join()
-    print(f"50,000-value enum refused in {refused_in * 1000:.0f} ms; longest gap in the other stream {max(gaps[1:]) * 1000:.0f} ms")
+    print(
+        f"50,000-value enum refused in {refused_in * 1000:.0f} ms; longest gap in the other stream {max(gaps[1:]) * 1000:.0f} ms"
+    )
     assert refused_in < 2.0
     assert len(gaps) > 10 and max(gaps[1:]) < 2.0
 
@@ -139,8 +185,12 @@ def _mixed(i: int) -> tuple[str, object, bool]:
         return "/v1/embeddings", {"input": [f"text {i}", "another"]}, True
     if k == 3:
         return "/api/chat", {"model": DEFAULT_NAME, "messages": HI, "stream": False, "options": {"num_predict": 2}}, True
-    bad = [b for b, _, _ in BAD.values()] + [b"[" * 5000, b"{not json", {"messages": HI, "model": "no-such-model"},
-                                             {"messages": HI, "max_tokens": 10_000}]
+    bad = [b for b, _, _ in BAD.values()] + [
+        b"[" * 5000,
+        b"{not json",
+        {"messages": HI, "model": "no-such-model"},
+        {"messages": HI, "max_tokens": 10_000},
+    ]
     if k - 4 < len(bad):
         return "/v1/chat/completions", bad[k - 4], False
     if k == 14:
@@ -167,8 +217,10 @@ def test_1000_mixed_requests_keep_memory_flat_and_metrics_count(served):
     with ThreadPoolExecutor(8) as ex:
         list(ex.map(run, range(1000)))
     after = ps.memory_info().rss
-    print(f"1000 mixed requests in {time.monotonic() - t0:.1f} s; RSS {before / 2**20:.1f} -> {after / 2**20:.1f} MiB "
-          f"({(after - before) / before * 100:+.2f}%)")
+    print(
+        f"1000 mixed requests in {time.monotonic() - t0:.1f} s; RSS {before / 2**20:.1f} -> {after / 2**20:.1f} MiB "
+        f"({(after - before) / before * 100:+.2f}%)"
+    )
     assert after <= before * 1.05
     with urllib.request.urlopen(url + "/metrics") as r:
         text = r.read().decode()

@@ -17,10 +17,19 @@ from support.helpers import DEFAULT_NAME, register_default
 from support.serve_proc import start_serve, stop_process
 
 TAGGED = DEFAULT_NAME + ":latest"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"],
-                   "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +81,13 @@ def test_chat_whole_and_streamed(client):
     assert parts[-1].eval_count == r.eval_count
 
 
-
 def test_a_num_ctx_beyond_the_slot_is_said(server):
-    body = {"model": TAGGED, "messages": [{"role": "user", "content": "Hi"}], "stream": False,
-            "options": {"num_predict": 2, "num_ctx": 32768}}
+    body = {
+        "model": TAGGED,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "stream": False,
+        "options": {"num_predict": 2, "num_ctx": 32768},
+    }
     status, reply = _post(server, "/api/chat", json.dumps(body).encode())
     assert status == 200 and "num_ctx 32768" in reply["warnings"][0], reply  # not applied, and said so
 
@@ -86,8 +98,12 @@ def test_generate_and_format_schema(client):
     raw = client.generate(model=TAGGED, prompt="The capital of France is", raw=True, options={"temperature": 0, "num_predict": 6})
     assert "Paris" in raw.response and raw.eval_count == 6 and raw.done_reason == "length"
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}
-    c = client.chat(model=TAGGED, messages=[{"role": "user", "content": "Give a name as JSON."}], format=schema,
-                    options={"temperature": 0, "num_predict": 40})
+    c = client.chat(
+        model=TAGGED,
+        messages=[{"role": "user", "content": "Give a name as JSON."}],
+        format=schema,
+        options={"temperature": 0, "num_predict": 40},
+    )
     jsonschema.validate(json.loads(c.message.content), schema)
 
 

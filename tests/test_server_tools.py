@@ -28,15 +28,35 @@ from support.helpers import DEFAULT_NAME, register_default
 from support.serve_proc import start_serve, stop_process
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Get the current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
-                                                        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                       "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "add", "description": "Add two integers",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                       "required": ["a", "b"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 40},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
@@ -47,8 +67,9 @@ CTX = 4096  # 1,024 per slot
 def server(tmp_path_factory, default_gguf):
     home = tmp_path_factory.mktemp("tools-home")
     register_default(default_gguf, home)
-    proc, url = start_serve(DEFAULT_NAME, "--ctx", str(CTX), "--parallel", "4", "--threads", "1",
-                            env=dict(os.environ, EDGELLM_HOME=str(home)))
+    proc, url = start_serve(
+        DEFAULT_NAME, "--ctx", str(CTX), "--parallel", "4", "--threads", "1", env=dict(os.environ, EDGELLM_HOME=str(home))
+    )
     yield url
     stop_process(proc, timeout=20)
     err = proc.stderr.read()
@@ -77,8 +98,16 @@ def _check_calls(message) -> list[tuple[str, dict]]:
 
 def test_required_tool_calls_parse_and_validate_20_of_20(client):
     def one(seed: int):
-        r = client.chat.completions.create(model=DEFAULT_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
-                                           temperature=0.8, seed=seed, max_tokens=120, parallel_tool_calls=False)
+        r = client.chat.completions.create(
+            model=DEFAULT_NAME,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            temperature=0.8,
+            seed=seed,
+            max_tokens=120,
+            parallel_tool_calls=False,
+        )
         assert r.choices[0].finish_reason == "tool_calls", r
         assert r.choices[0].message.content is None
         return _check_calls(r.choices[0].message)
@@ -91,22 +120,38 @@ def test_required_tool_calls_parse_and_validate_20_of_20(client):
 
 
 def test_named_tool_choice_and_no_parallel_calls(client):
-    r = client.chat.completions.create(model=DEFAULT_NAME, messages=[{"role": "user", "content": "What is 2 plus 3?"}],
-                                       tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
-                                       parallel_tool_calls=False, temperature=0, max_tokens=80)
+    r = client.chat.completions.create(
+        model=DEFAULT_NAME,
+        messages=[{"role": "user", "content": "What is 2 plus 3?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
+    )
     calls = _check_calls(r.choices[0].message)
     assert [name for name, _ in calls] == ["add"]
 
 
 def test_second_turn_with_the_tool_result_is_text(client):
-    r = client.chat.completions.create(model=DEFAULT_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
-                                       parallel_tool_calls=False, temperature=0, max_tokens=120)
+    r = client.chat.completions.create(
+        model=DEFAULT_NAME,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=120,
+    )
     msg = r.choices[0].message
     call = msg.tool_calls[0]
-    history = ASK + [msg.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "sunny"})}]
-    r2 = client.chat.completions.create(model=DEFAULT_NAME, messages=history, tools=TOOLS, tool_choice="none",
-                                        temperature=0, max_tokens=60)
+    history = ASK + [
+        msg.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "sunny"})},
+    ]
+    r2 = client.chat.completions.create(
+        model=DEFAULT_NAME, messages=history, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=60
+    )
     assert r2.choices[0].message.tool_calls is None
     text = r2.choices[0].message.content
     assert isinstance(text, str) and text.strip() and not text.lstrip().startswith("{"), text
@@ -135,14 +180,16 @@ def test_streamed_tool_calls_reassemble_to_the_non_streamed_reply(client):
     whole = client.chat.completions.create(**kw).choices[0]
     streamed, finish = _reassemble(client.chat.completions.create(**kw, stream=True))
     assert finish == whole.finish_reason == "tool_calls"
-    assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == \
-        [(tc.function.name, tc.function.arguments) for tc in whole.message.tool_calls]
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"]] == [
+        (tc.function.name, tc.function.arguments) for tc in whole.message.tool_calls
+    ]
     assert all(c["id"].startswith("call_") for c in streamed["calls"])
 
 
 def test_auto_tool_choice_may_answer_in_text_and_says_so_in_finish_reason(client):
-    r = client.chat.completions.create(model=DEFAULT_NAME, messages=[{"role": "user", "content": "Say hello to me."}],
-                                       tools=TOOLS, temperature=0, max_tokens=120)
+    r = client.chat.completions.create(
+        model=DEFAULT_NAME, messages=[{"role": "user", "content": "Say hello to me."}], tools=TOOLS, temperature=0, max_tokens=120
+    )
     choice = r.choices[0]
     if choice.message.tool_calls:
         assert choice.finish_reason == "tool_calls"
@@ -164,8 +211,12 @@ def _llama_server(tools: Path, gguf: Path, *extra: str) -> tuple[subprocess.Pope
     exe = tools / "llama-server"
     assert exe.is_file(), f"{exe} is missing: scripts/build_llama_tools.sh llama-server"
     port = _free_port()
-    proc = subprocess.Popen([str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-np", "1",
-                             "--no-webui", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", "-np", "1", "--no-webui", *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -199,8 +250,9 @@ def test_logprobs_at_temperature_0_equal_llama_servers(client, llama_tools, defa
     # for the CPU) moves these log-probabilities by up to 0.58 on the default model, the same tokens chosen.
     proc, url = _llama_server(llama_tools, default_gguf, "-c", "1024", "-fa", "off")
     try:
-        ref = _post(url + "/completion", {"prompt": prompt, "n_predict": 16, "temperature": 0, "n_probs": 5,
-                                          "cache_prompt": False})["completion_probabilities"]
+        ref = _post(
+            url + "/completion", {"prompt": prompt, "n_predict": 16, "temperature": 0, "n_probs": 5, "cache_prompt": False}
+        )["completion_probabilities"]
     finally:
         stop_process(proc)
     assert [p["token"] for p in ref] == ours.tokens
@@ -214,11 +266,21 @@ def test_logprobs_at_temperature_0_equal_llama_servers(client, llama_tools, defa
 
 
 def test_chat_logprobs_streamed_equal_non_streamed(client):
-    kw = dict(model=DEFAULT_NAME, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=12, temperature=0,
-              logprobs=True, top_logprobs=3)
+    kw = dict(
+        model=DEFAULT_NAME,
+        messages=[{"role": "user", "content": "Name a fruit."}],
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     whole = client.chat.completions.create(**kw).choices[0]
-    streamed = [e for ch in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
-                if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    streamed = [
+        e
+        for ch in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+        if ch.choices and ch.choices[0].logprobs
+        for e in ch.choices[0].logprobs.content
+    ]
     lp = whole.logprobs.content
     assert len(lp) == len(streamed) >= 1
     assert [(e.token, round(e.logprob, 6)) for e in lp] == [(e.token, round(e.logprob, 6)) for e in streamed]
@@ -229,9 +291,22 @@ def test_chat_logprobs_streamed_equal_non_streamed(client):
 
 # -- embeddings ----------------------------------------------------------------------
 
-TEXTS = [f"{s} number {i}." for i, s in enumerate(
-    ["The cat sat on the mat", "Paris is the capital of France", "I like green tea", "Rust is a systems language",
-     "The sea is calm tonight", "Quantization shrinks models", "A dog barks at night", "Bread needs flour and water"] * 2)]
+TEXTS = [
+    f"{s} number {i}."
+    for i, s in enumerate(
+        [
+            "The cat sat on the mat",
+            "Paris is the capital of France",
+            "I like green tea",
+            "Rust is a systems language",
+            "The sea is calm tonight",
+            "Quantization shrinks models",
+            "A dog barks at night",
+            "Bread needs flour and water",
+        ]
+        * 2
+    )
+]
 
 
 def test_embeddings_are_unit_vectors_matching_llama_server(client, llama_tools, default_gguf):
@@ -245,13 +320,16 @@ def test_embeddings_are_unit_vectors_matching_llama_server(client, llama_tools, 
     f = client.embeddings.create(model=DEFAULT_NAME, input=TEXTS[:2], encoding_format="float")
     assert all(abs(x - y) < 1e-6 for x, y in zip(f.data[0].embedding, vecs[0]))
     # llama.cpp's own, with the same pooling (flash attention off: see edgellm/engine/embed.py)
-    proc, url = _llama_server(llama_tools, default_gguf, "--embeddings", "--pooling", "mean", "-c", "1024", "-ub", "1024",
-                              "-b", "1024", "-fa", "off")
+    proc, url = _llama_server(
+        llama_tools, default_gguf, "--embeddings", "--pooling", "mean", "-c", "1024", "-ub", "1024", "-b", "1024", "-fa", "off"
+    )
     try:
         ref = _post(url + "/v1/embeddings", {"input": TEXTS, "model": "x"})["data"]
     finally:
         stop_process(proc)
-    cos = [sum(a * b for a, b in zip(v, d["embedding"])) / math.sqrt(sum(x * x for x in d["embedding"])) for v, d in zip(vecs, ref)]
+    cos = [
+        sum(a * b for a, b in zip(v, d["embedding"])) / math.sqrt(sum(x * x for x in d["embedding"])) for v, d in zip(vecs, ref)
+    ]
     print(f"embeddings vs llama-server: min cosine {min(cos):.7f}")
     assert min(cos) >= 0.9999
 

@@ -26,15 +26,16 @@ def long_functions(path: Path, root: Path = ROOT) -> list[str]:
             n = node.end_lineno - start + 1
             if n <= MAX_FUNCTION:
                 continue
-            near = lines[max(0, start - 3): node.body[0].lineno + 4]
+            near = lines[max(0, start - 3) : node.body[0].lineno + 4]
             if not any(ln.strip().startswith("# long:") for ln in near):
                 out.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n} lines)")
     return out
 
 
 def test_no_module_over_500_lines():
-    big = [f"{p.relative_to(ROOT)} ({n})" for p in _modules()
-           if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE]
+    big = [
+        f"{p.relative_to(ROOT)} ({n})" for p in _modules() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE
+    ]
     assert not big, "split these modules: " + ", ".join(big)
 
 

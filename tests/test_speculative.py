@@ -28,7 +28,7 @@ from edgellm.engine.runtime import GenerationStats, Runtime, RuntimeOptions, Sam
 from edgellm.engine.speculative import DraftMismatch, DraftPolicy, Speculator, VerifyCost
 from edgellm.engine.threads import ThreadController
 
-CODE = '''def total_price(items, tax_rate):
+CODE = """def total_price(items, tax_rate):
     subtotal = 0
     for item in items:
         subtotal += item.price * item.quantity
@@ -42,10 +42,12 @@ def cheapest(items):
         if best is None or item.price < best.price:
             best = item
     return best
-'''
-PASSAGE = ("The lighthouse stood on the northern cape for two hundred years. Its keeper, Ada Moss, "
-           "wrote in her log every night: 'The light is lit, the sea is calm, and the ships are safe.' "
-           "In 1921 a storm broke the lens, and the town rebuilt it in a single summer.")
+"""
+PASSAGE = (
+    "The lighthouse stood on the northern cape for two hundred years. Its keeper, Ada Moss, "
+    "wrote in her log every night: 'The light is lit, the sea is calm, and the ships are safe.' "
+    "In 1921 a storm broke the lens, and the town rebuilt it in a single summer."
+)
 REPEAT = "Repeat this line exactly:\nThe quick brown fox jumps over the lazy dog and runs into the forest.\n"
 
 
@@ -71,7 +73,7 @@ def _reply(rt, prompt, **kw):
     st = GenerationStats()
     rt.reset()
     text = "".join(rt.stream(prompt, SamplingParams(**kw), stats=st))
-    return text, list(rt.cached_tokens()[len(prompt):]), st
+    return text, list(rt.cached_tokens()[len(prompt) :]), st
 
 
 # -- pure parts -----------------------------------------------------------------
@@ -212,7 +214,7 @@ def test_temperature_08_first_tokens_follow_the_same_distribution(rt):
             s = seed if arm is plain else seed + 10_000  # disjoint seeds: a test of distributions, not of identity
             st = GenerationStats()  # no reset: the prompt stays in the KV cache between runs
             "".join(rt.stream(prompt, SamplingParams(temperature=0.8, seed=s, max_tokens=n_pos, **extra), stats=st))
-            toks = rt.cached_tokens()[len(prompt):]
+            toks = rt.cached_tokens()[len(prompt) :]
             for i, t in enumerate(toks[:n_pos] + [-1] * (n_pos - len(toks))):
                 arm[i][t] += 1
             if extra:
@@ -315,8 +317,10 @@ def test_batched_sequences_speculate_inside_the_batch_losslessly(default_gguf):
             out: list[list] = [[], []]
             seqs = []
             for i, p in enumerate(prompts):
+
                 def emit(kind, value, i=i):
                     out[i].append((kind, value))
+
                 seqs.append(Sequence(p, SamplingParams(temperature=0, max_tokens=48, draft=draft), emit))
             for s in seqs:
                 eng.add(s)
@@ -342,12 +346,30 @@ def test_serve_draft_default_per_request_field_and_llamacpp_counters(tmp_path, d
 
     home = tmp_path / "serve-home"
     register_default(default_gguf, home)
-    proc, url = start_serve(DEFAULT_NAME, "--draft", "ngram", "--parallel", "2", "--ctx", "2048", "--threads", "1",
-                            env=dict(os.environ, EDGELLM_HOME=str(home)))
+    proc, url = start_serve(
+        DEFAULT_NAME,
+        "--draft",
+        "ngram",
+        "--parallel",
+        "2",
+        "--ctx",
+        "2048",
+        "--threads",
+        "1",
+        env=dict(os.environ, EDGELLM_HOME=str(home)),
+    )
     try:
+
         def ask(**extra):
-            body = json.dumps({"model": DEFAULT_NAME, "messages": [{"role": "user", "content": IDENTITY_PROMPTS[1]}],
-                               "max_tokens": 64, "temperature": 0, **extra}).encode()
+            body = json.dumps(
+                {
+                    "model": DEFAULT_NAME,
+                    "messages": [{"role": "user", "content": IDENTITY_PROMPTS[1]}],
+                    "max_tokens": 64,
+                    "temperature": 0,
+                    **extra,
+                }
+            ).encode()
             req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=300) as r:
                 return json.load(r)["choices"][0]["message"]["content"]
@@ -356,7 +378,10 @@ def test_serve_draft_default_per_request_field_and_llamacpp_counters(tmp_path, d
         with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
             text = r.read().decode()
         vals = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("llamacpp:")}
-        drafted, accepted = vals["llamacpp:spec_decode_num_draft_tokens_total"], vals["llamacpp:spec_decode_num_accepted_tokens_total"]
+        drafted, accepted = (
+            vals["llamacpp:spec_decode_num_draft_tokens_total"],
+            vals["llamacpp:spec_decode_num_accepted_tokens_total"],
+        )
         assert 0 <= accepted <= drafted and "llamacpp:spec_decode_num_drafts_total" in vals
         assert sum(v for k, v in vals.items() if "per_pos" in k) == accepted  # per position adds up, as llama-server's does
     finally:

@@ -11,8 +11,18 @@ import pytest
 
 from edgellm.serve import tools
 
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 
 # The tool part of Qwen 2.5's template, as it ships (trimmed to what renders tools and calls).
 QWEN = """{%- if tools %}<|im_start|>system
@@ -55,10 +65,15 @@ def test_formats_are_detected_from_the_template():
 def test_a_hermes_template_renders_the_tools_and_the_call_history():
     from edgellm.chat.template import ChatTemplate
 
-    history = [{"role": "user", "content": "2+3?"},
-               {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
-                                                                     "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
-               {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    history = [
+        {"role": "user", "content": "2+3?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
     tools.check_messages(history)
     plan = tools.plan(_req(), history, QWEN)
     with ChatTemplate(QWEN) as tpl:
@@ -68,7 +83,9 @@ def test_a_hermes_template_renders_the_tools_and_the_call_history():
     assert "<tool_response>\n5\n</tool_response>" in text
 
 
-@pytest.mark.parametrize("fmt_src", [QWEN, "{% if tools %}{% endif %}[TOOL_CALLS]", "{% if tools %}{% endif %}<|python_tag|>", None])
+@pytest.mark.parametrize(
+    "fmt_src", [QWEN, "{% if tools %}{% endif %}[TOOL_CALLS]", "{% if tools %}{% endif %}<|python_tag|>", None]
+)
 @pytest.mark.parametrize("choice", ["auto", "required"])
 def test_every_grammar_parses_in_llama_cpp(default_gguf, fmt_src, choice):
     import llama_cpp
@@ -83,12 +100,15 @@ def test_every_grammar_parses_in_llama_cpp(default_gguf, fmt_src, choice):
         llm.close()
 
 
-@pytest.mark.parametrize("src,text", [
-    (QWEN, 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'),
-    ("{% if tools %}{% endif %}<|python_tag|>", '<|python_tag|>{"name": "add", "parameters": {"a": 2, "b": 3}}'),
-    ("{% if tools %}{% endif %}[TOOL_CALLS]", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 3}}]'),
-    (None, '{"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]}'),
-])
+@pytest.mark.parametrize(
+    "src,text",
+    [
+        (QWEN, 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'),
+        ("{% if tools %}{% endif %}<|python_tag|>", '<|python_tag|>{"name": "add", "parameters": {"a": 2, "b": 3}}'),
+        ("{% if tools %}{% endif %}[TOOL_CALLS]", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 3}}]'),
+        (None, '{"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]}'),
+    ],
+)
 def test_what_each_format_writes_parses_into_calls(src, text):
     parsed = tools.plan(_req(), [{"role": "user", "content": "2+3?"}], src).parse(text)
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("add", {"a": 2, "b": 3})]
@@ -103,13 +123,16 @@ def test_a_cut_or_wrong_call_is_content_with_a_warning():
     assert wrong.calls and "do not match its schema" in wrong.warnings[0]
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
-    ({"tools": [ADD, ADD]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [ADD], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"functions": [{}]}, "functions"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        ({"tools": [ADD, ADD]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [ADD], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"functions": [{}]}, "functions"),
+    ],
+)
 def test_bad_tool_fields_name_the_field(body, param):
     with pytest.raises(tools.ToolError) as e:
         tools.parse_tools(body)

@@ -44,7 +44,12 @@ def test_import_through_the_dialog(default_gguf, edgellm_home):
             await type_text(pilot, "imported-135m")
             await pilot.press("enter")
             models = app.screen
-            await wait_for(pilot, lambda: Store().find("imported-135m") is not None and not models.query_one("JobBar").running, 60, "the import")
+            await wait_for(
+                pilot,
+                lambda: Store().find("imported-135m") is not None and not models.query_one("JobBar").running,
+                60,
+                "the import",
+            )
             await settled(pilot)
             rows = [str(k.value) for k in models.query_one("#store", DataTable).rows]
             bar = models.query_one("JobBar").bar
@@ -194,8 +199,13 @@ def test_a_failed_quantize_job_keeps_its_reason_on_screen(default_model, default
             app._refresh_notifications()  # what Textual does when a toast's timer fires
             await pilot.pause(0.2)
             table = scr.query_one("#quant-jobs", DataTable)
-            return (toast_then, list(app.screen.query("Toast")), table.get_row_at(0)[3:],
-                    screen_text(app, scr.query_one("JobBar")), list(app.notices))
+            return (
+                toast_then,
+                list(app.screen.query("Toast")),
+                table.get_row_at(0)[3:],
+                screen_text(app, scr.query_one("JobBar")),
+                list(app.notices),
+            )
 
     toast_then, toasts_later, row, bar_text, notices = asyncio.run(run())
     assert ("error", f"quantize {DEFAULT_NAME} → Q8_0: {reason}") in notices
@@ -289,8 +299,11 @@ def test_chat_streams_a_reply_and_escape_stops_one(default_model):
             await wait_for(pilot, grow, 120, "the reply")
             await pilot.pause(0.2)
             first = dict(
-                reply=scr.last_reply, updates=scr.stream_updates, lengths=lengths,
-                shown="".join(m._markdown for m in scr.query(Markdown)), stats=scr.last_stats,
+                reply=scr.last_reply,
+                updates=scr.stream_updates,
+                lengths=lengths,
+                shown="".join(m._markdown for m in scr.query(Markdown)),
+                stats=scr.last_stats,
                 status=str(scr.query_one("#chat-status").render()),
             )
             # a long reply, stopped with Escape once text is streaming
@@ -360,16 +373,57 @@ def test_evaluate_screen_marks_edgellm_files_as_their_own_series():
     from tui.widgets.plot import MARKERS, ScatterPlot
 
     def lv(name, level, size, kld):
-        return LevelEval(level=level, name=name, path="", size_bytes=size, bpw=4.0, ppl=20.0, ppl_err=0.1, dppl_pct=5.0,
-                         kld_mean=kld, kld_err=0.01, kld_median=kld, kld_p99=kld, kld_max=kld, same_top_p=80.0,
-                         same_top_p_err=1.0, rms_dp=1.0, rms_dp_err=0.1, tokens_per_second=100.0, seconds=1.0)
+        return LevelEval(
+            level=level,
+            name=name,
+            path="",
+            size_bytes=size,
+            bpw=4.0,
+            ppl=20.0,
+            ppl_err=0.1,
+            dppl_pct=5.0,
+            kld_mean=kld,
+            kld_err=0.01,
+            kld_median=kld,
+            kld_p99=kld,
+            kld_max=kld,
+            same_top_p=80.0,
+            same_top_p_err=1.0,
+            rms_dp=1.0,
+            rms_dp_err=0.1,
+            tokens_per_second=100.0,
+            seconds=1.0,
+        )
 
-    rep = EvalReport(base="m-f16", base_path="", base_level="f16", base_size_bytes=1, base_bpw=16.0, base_ppl=20.0,
-                     base_ppl_err=0.1, base_tokens_per_second=1.0, parameters=1, kv_bytes_per_token=1, corpus="x",
-                     corpus_sha256="", ctx=512, chunks=1, n_tokens_scored=1, batch=1, threads=1, topk=1, tail_samples=1,
-                     machine="", created=0.0,
-                     levels=[lv("m-q2_k", "q2_k", 88_201_792, 0.41), lv("m-q2_k-imat", "q2_k", 88_202_080, 0.27),
-                             lv("m-budget-88mb", "q4_k_m", 88_188_256, 0.06), lv("m-q4_k_m", "q4_k_m", 105_454_144, 0.05)])
+    rep = EvalReport(
+        base="m-f16",
+        base_path="",
+        base_level="f16",
+        base_size_bytes=1,
+        base_bpw=16.0,
+        base_ppl=20.0,
+        base_ppl_err=0.1,
+        base_tokens_per_second=1.0,
+        parameters=1,
+        kv_bytes_per_token=1,
+        corpus="x",
+        corpus_sha256="",
+        ctx=512,
+        chunks=1,
+        n_tokens_scored=1,
+        batch=1,
+        threads=1,
+        topk=1,
+        tail_samples=1,
+        machine="",
+        created=0.0,
+        levels=[
+            lv("m-q2_k", "q2_k", 88_201_792, 0.41),
+            lv("m-q2_k-imat", "q2_k", 88_202_080, 0.27),
+            lv("m-budget-88mb", "q4_k_m", 88_188_256, 0.06),
+            lv("m-q4_k_m", "q4_k_m", 105_454_144, 0.05),
+        ],
+    )
 
     async def run():
         app = make(initial="evaluate")

@@ -152,8 +152,13 @@ def test_bench_with_gpu_layers_and_over_a_worker(worker, default_model):
                 await wait_for(pilot, lambda: scr.token is None, 300, "the benchmark")
                 await pilot.pause(0.2)
                 table = scr.query_one("#bench-results", DataTable)
-                out.append((list(scr.rows), [list(map(str, table.get_row_at(i))) for i in range(table.row_count)],
-                            squeeze(screen_text(app, scr.query_one("#bench-mem")))))
+                out.append(
+                    (
+                        list(scr.rows),
+                        [list(map(str, table.get_row_at(i))) for i in range(table.row_count)],
+                        squeeze(screen_text(app, scr.query_one("#bench-mem"))),
+                    )
+                )
             return out, app.notices
 
     (local, split), notices = asyncio.run(run())
@@ -212,7 +217,9 @@ def test_a_worker_killed_mid_reply_ends_that_reply_and_the_app_stays_up(default_
     finally:
         victim.stop()
     assert took < 10, took
-    assert len(failed) == 1 and failed[0].startswith(f"[failed: RPC worker {victim.address} went away during a generation"), failed
+    assert len(failed) == 1 and failed[0].startswith(f"[failed: RPC worker {victim.address} went away during a generation"), (
+        failed
+    )
     assert session is None  # dropped: the next message loads afresh
     assert state.startswith("connection refused")
     assert any(victim.address in m for m in errors_in(notices)), notices

@@ -43,7 +43,15 @@ def test_every_screen_opens_by_key(default_model):
         return seen
 
     seen = asyncio.run(run())
-    assert seen == ["ModelsScreen", "QuantizeScreen", "EvaluateScreen", "ChatScreen", "BenchScreen", "SystemScreen", "ModelsScreen"]
+    assert seen == [
+        "ModelsScreen",
+        "QuantizeScreen",
+        "EvaluateScreen",
+        "ChatScreen",
+        "BenchScreen",
+        "SystemScreen",
+        "ModelsScreen",
+    ]
 
 
 def test_f5_from_the_chat_box_switches_to_bench_and_types_nothing(default_model):
@@ -78,7 +86,9 @@ def test_f5_from_the_chat_box_switches_to_bench_and_types_nothing(default_model)
     assert refocused
     # the keys are on screen, on every screen
     for nav in (nav_before, bench_nav, narrow):
-        assert all(f"F{i} {label}" in nav for i, label in enumerate(["Models", "Quantize", "Evaluate", "Chat", "Bench", "System"], 1)), nav
+        assert all(
+            f"F{i} {label}" in nav for i, label in enumerate(["Models", "Quantize", "Evaluate", "Chat", "Bench", "System"], 1)
+        ), nav
         assert "^q Quit" in nav
 
 
@@ -127,8 +137,15 @@ def test_fit_marks_use_the_bytes_models_list_reports(default_model, cli, monkeyp
     assert "Fit: RAM needed at ctx 4096" in text
 
 
-SCREEN_KEYS = {"models": ["f1"], "quantize": ["f2"], "evaluate": ["f3"], "chat": ["f4"], "chat-settings": ["f4", "ctrl+t"],
-               "bench": ["f5"], "system": ["f6"]}
+SCREEN_KEYS = {
+    "models": ["f1"],
+    "quantize": ["f2"],
+    "evaluate": ["f3"],
+    "chat": ["f4"],
+    "chat-settings": ["f4", "ctrl+t"],
+    "bench": ["f5"],
+    "system": ["f6"],
+}
 
 
 @pytest.mark.parametrize("keys", list(SCREEN_KEYS.values()), ids=list(SCREEN_KEYS))

@@ -20,10 +20,21 @@ from edgellm.errors import UsageError
 from quant.budget import parse_budget
 
 
-@pytest.mark.parametrize("text, n", [
-    ("2GB", 2 * 10**9), ("2G", 2 * 10**9), ("2gb", 2 * 10**9), ("2 GB", 2 * 10**9), ("2GiB", 2 * 2**30),
-    ("95.5MiB", int(95.5 * 2**20)), ("100MB", 10**8), ("512KiB", 512 * 1024), ("1.5TB", 15 * 10**11), ("4096", 4096),
-])
+@pytest.mark.parametrize(
+    "text, n",
+    [
+        ("2GB", 2 * 10**9),
+        ("2G", 2 * 10**9),
+        ("2gb", 2 * 10**9),
+        ("2 GB", 2 * 10**9),
+        ("2GiB", 2 * 2**30),
+        ("95.5MiB", int(95.5 * 2**20)),
+        ("100MB", 10**8),
+        ("512KiB", 512 * 1024),
+        ("1.5TB", 15 * 10**11),
+        ("4096", 4096),
+    ],
+)
 def test_one_convention(text, n):
     assert units.parse_size(text, option="--x") == n
 
@@ -41,14 +52,19 @@ def test_budget_gpu_mem_and_worker_mem_read_2gb_as_the_same_bytes():
     assert parse_budget("2GiB", None).bytes == parse_gpu_mem("2GiB") == parse_mem("2GiB") == 2 * 2**30
 
 
-@pytest.mark.parametrize("argv, option", [
-    (["quantize", "--help"], "--budget"), (["chat", "--help"], "--gpu-mem"), (["bench", "--help"], "--gpu-mem"),
-    (["worker", "--help"], "--mem"),
-])
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["quantize", "--help"], "--budget"),
+        (["chat", "--help"], "--gpu-mem"),
+        (["bench", "--help"], "--gpu-mem"),
+        (["worker", "--help"], "--mem"),
+    ],
+)
 def test_each_size_options_help_says_which_convention(argv, option):
     out = subprocess.run(cli_argv(*argv), capture_output=True, text=True, timeout=60).stdout
     text = re.sub(r"\s+", " ", out)
-    entry = text[text.index(option + " SIZE "):][:400]  # the option's own entry, as click wraps it
+    entry = text[text.index(option + " SIZE ") :][:400]  # the option's own entry, as click wraps it
     assert re.search(r"GB = 10\^9 bytes, GiB = 2\^30", entry), entry
 
 

@@ -24,8 +24,9 @@ def run_script(*args: str | Path, timeout: float = 600) -> subprocess.CompletedP
 
 
 def reply(cli_subprocess, model: Path, prompt: str) -> str:
-    res = cli_subprocess("chat", str(model), "-p", prompt, "--temperature", "0", "--max-tokens", "32", "--no-history",
-                         "--ctx", "512", "--json")
+    res = cli_subprocess(
+        "chat", str(model), "-p", prompt, "--temperature", "0", "--max-tokens", "32", "--no-history", "--ctx", "512", "--json"
+    )
     assert res.exit_code == 0, res.stderr
     return res.json()["reply"]
 
@@ -44,7 +45,10 @@ def test_factor_2_doubles_every_unit_and_passes_its_own_check(wide_x2, default_g
     out, stdout = wide_x2
     base, wide = read_gguf(default_gguf), read_gguf(out)
     assert (wide.embedding_length, wide.head_count, wide.head_count_kv) == (
-        2 * base.embedding_length, 2 * base.head_count, 2 * base.head_count_kv)
+        2 * base.embedding_length,
+        2 * base.head_count,
+        2 * base.head_count_kv,
+    )
     assert wide.block_count == base.block_count and wide.vocab_size == base.vocab_size
     assert base.tied_output and not wide.tied_output  # the output matrix is untied: embedding / F
     # 4x every matrix, 2x the embedding, plus the untied output (the embedding's size again, x2)

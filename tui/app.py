@@ -31,6 +31,7 @@ from tui.screens.system_screen import SystemScreen
 
 log = logging.getLogger(__name__)
 
+
 def _mode_factories() -> dict[str, Any]:
     from tui.screens.evaluate_screen import EvaluateScreen  # lazy: loads numpy
 

@@ -10,8 +10,9 @@ share the machine's cores: the draft model gets the same thread settings.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from edgellm.engine.runtime import Runtime
 from edgellm.engine.speculative import DraftMismatch
@@ -44,8 +45,9 @@ def parse_draft(value: Optional[str]) -> str:
     return v.lower() if v.lower() in ("off", "ngram", "auto", "none") else v
 
 
-def attach(target: Runtime, value: Optional[str], *, warn: Callable[[str], None] = log.warning,
-           store: Optional[Store] = None) -> DraftChoice:
+def attach(
+    target: Runtime, value: Optional[str], *, warn: Callable[[str], None] = log.warning, store: Optional[Store] = None
+) -> DraftChoice:
     """Resolve `--draft` for `target`; a draft model is loaded, checked and attached (`Runtime.attach_draft`).
 
     Raises `DraftMismatch` when the named model's vocabulary differs, `ModelNotFound` when it is not
@@ -67,8 +69,14 @@ def attach(target: Runtime, value: Optional[str], *, warn: Callable[[str], None]
             raise
         return DraftChoice("model", resolved.label, rt)
     size = target.path.stat().st_size
-    cands = sorted((m for m in (store or Store()).list() if m.path.is_file() and m.path.resolve() != target.path.resolve()
-                    and m.path.stat().st_size < size), key=lambda m: m.path.stat().st_size)
+    cands = sorted(
+        (
+            m
+            for m in (store or Store()).list()
+            if m.path.is_file() and m.path.resolve() != target.path.resolve() and m.path.stat().st_size < size
+        ),
+        key=lambda m: m.path.stat().st_size,
+    )
     refused: list[str] = []
     for rec in cands[:_AUTO_TRIES]:
         rt = Runtime(rec.path, opts, warn=warn)
@@ -83,7 +91,9 @@ def attach(target: Runtime, value: Optional[str], *, warn: Callable[[str], None]
             raise
         return DraftChoice("model", rec.name, rt)
     why = "; ".join(refused) if refused else "no smaller model in the store"
-    raise UsageError(f"--draft auto found no draft model for {target.path.name} ({why}); pull a smaller model of the same family, or use --draft ngram")
+    raise UsageError(
+        f"--draft auto found no draft model for {target.path.name} ({why}); pull a smaller model of the same family, or use --draft ngram"
+    )
 
 
 def describe(choice: DraftChoice) -> dict[str, Any]:

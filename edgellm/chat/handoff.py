@@ -30,18 +30,23 @@ from edgellm.chat.template import ChatTemplate
 from edgellm.engine.rpc import parse_endpoints
 from edgellm.engine.runtime import SamplingParams, default_threads
 from edgellm.errors import ModelExists, UsageError
-from edgellm.fsutil import (
-    atomic_open,
-    atomic_write_text,
-    check_free_disk,
-    copy_with_sha256,
-)
+from edgellm.fsutil import atomic_open, atomic_write_text, check_free_disk, copy_with_sha256
 from edgellm.gguf.reader import read_gguf, read_layout
 from edgellm.models.resolve import resolve
 
 MODELFILE_DIRECTIVES = {"FROM", "PARAMETER", "TEMPLATE", "SYSTEM", "ADAPTER", "LICENSE", "MESSAGE", "REQUIRES"}
-OLLAMA_PARAMETERS = {"num_ctx", "repeat_last_n", "repeat_penalty", "temperature", "seed", "stop", "num_predict",
-                     "top_k", "top_p", "min_p"}
+OLLAMA_PARAMETERS = {
+    "num_ctx",
+    "repeat_last_n",
+    "repeat_penalty",
+    "temperature",
+    "seed",
+    "stop",
+    "num_predict",
+    "top_k",
+    "top_p",
+    "min_p",
+}
 DEFAULT_CTX = 4096
 _S = {"sys": "QSYSQ", "u1": "QUSERONEQ", "a1": "QASSTONEQ", "u2": "QUSERTWOQ"}
 
@@ -90,8 +95,12 @@ def _between(text: str, a: str, b: str) -> str:
 def infer_pieces(render, *, name: str = "the model") -> RolePieces:
     """Each role's wrapper, observed from `render(messages, add_generation_prompt)` (the Jinja template)."""
     s = _S
-    conv = [{"role": "system", "content": s["sys"]}, {"role": "user", "content": s["u1"]},
-            {"role": "assistant", "content": s["a1"]}, {"role": "user", "content": s["u2"]}]
+    conv = [
+        {"role": "system", "content": s["sys"]},
+        {"role": "user", "content": s["u1"]},
+        {"role": "assistant", "content": s["a1"]},
+        {"role": "user", "content": s["u2"]},
+    ]
     try:
         full = render(conv, False)
         with_gen = render(conv, True)
@@ -99,14 +108,14 @@ def infer_pieces(render, *, name: str = "the model") -> RolePieces:
         no_sys = render(conv[1:], False)
         if not with_gen.startswith(full) or not full.startswith(upto_a1[: upto_a1.index(s["a1"])]):
             raise ValueError("renders do not extend each other")
-        generation = with_gen[len(full):]
-        user_suf = full[full.index(s["u2"]) + len(s["u2"]):]
-        asst_suf = upto_a1[upto_a1.index(s["a1"]) + len(s["a1"]):]
+        generation = with_gen[len(full) :]
+        user_suf = full[full.index(s["u2"]) + len(s["u2"]) :]
+        asst_suf = upto_a1[upto_a1.index(s["a1"]) + len(s["a1"]) :]
         m1, m2, m3 = _between(full, s["sys"], s["u1"]), _between(full, s["u1"], s["a1"]), _between(full, s["a1"], s["u2"])
         if not (m2.startswith(user_suf) and m3.startswith(asst_suf)):
             raise ValueError("suffixes differ between turns")
-        asst_pre = m2[len(user_suf):]
-        user_pre = m3[len(asst_suf):]
+        asst_pre = m2[len(user_suf) :]
+        user_pre = m3[len(asst_suf) :]
         if not m1.endswith(user_pre):
             raise ValueError("the first user turn is wrapped differently")
         sys_suf = m1[: len(m1) - len(user_pre)]
@@ -114,18 +123,28 @@ def infer_pieces(render, *, name: str = "the model") -> RolePieces:
         head = no_sys[: no_sys.index(s["u1"])]
         if not head.endswith(user_pre):
             raise ValueError("the first user turn is wrapped differently without a system prompt")
-        pieces = RolePieces(head[: len(head) - len(user_pre)], (sys_pre, sys_suf), (user_pre, user_suf),
-                            (asst_pre, asst_suf), generation)
+        pieces = RolePieces(
+            head[: len(head) - len(user_pre)], (sys_pre, sys_suf), (user_pre, user_suf), (asst_pre, asst_suf), generation
+        )
     except ValueError as e:
-        raise UsageError(f"the chat template of {name} is not one wrapper per role ({e}); Ollama's template language "
-                         "cannot be derived from it: write the TEMPLATE by hand") from None
+        raise UsageError(
+            f"the chat template of {name} is not one wrapper per role ({e}); Ollama's template language "
+            "cannot be derived from it: write the TEMPLATE by hand"
+        ) from None
     # A different conversation, rendered both ways, must agree word for word.
-    check = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
-             {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "Name a colour."},
-             {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another one?"}]
+    check = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+    ]
     if pieces.render(check) != render(check, True):
-        raise UsageError(f"the chat template of {name} renders turns differently from one to the next; Ollama's template "
-                         "cannot be derived from it: write the TEMPLATE by hand")
+        raise UsageError(
+            f"the chat template of {name} renders turns differently from one to the next; Ollama's template "
+            "cannot be derived from it: write the TEMPLATE by hand"
+        )
     return pieces
 
 
@@ -155,18 +174,26 @@ def model_facts(path: Path, name: str) -> ModelFacts:
         return ""
 
     add_bos = kv.get("tokenizer.ggml.add_bos_token")
-    return ModelFacts(path, name, info.chat_template, text("tokenizer.ggml.bos_token_id"), text("tokenizer.ggml.eos_token_id"),
-                      bool(add_bos) if add_bos is not None else True, info.context_length)
+    return ModelFacts(
+        path,
+        name,
+        info.chat_template,
+        text("tokenizer.ggml.bos_token_id"),
+        text("tokenizer.ggml.eos_token_id"),
+        bool(add_bos) if add_bos is not None else True,
+        info.context_length,
+    )
 
 
 def edgellm_render(facts: ModelFacts, messages: list[dict[str, str]]) -> str:
     """The prompt text `edgellm chat` sends for `messages` (a BOS the tokenizer adds is not text)."""
 
-    with ChatTemplate(facts.chat_template, bos_token=facts.bos_text, eos_token=facts.eos_text, warn=lambda m: None,
-                      model_name=facts.name) as t:
+    with ChatTemplate(
+        facts.chat_template, bos_token=facts.bos_text, eos_token=facts.eos_text, warn=lambda m: None, model_name=facts.name
+    ) as t:
         text = t.render(messages, add_generation_prompt=True)
     if facts.add_bos and facts.bos_text and text.startswith(facts.bos_text):
-        text = text[len(facts.bos_text):]
+        text = text[len(facts.bos_text) :]
     return text
 
 
@@ -174,10 +201,11 @@ def _pieces_for(facts: ModelFacts) -> RolePieces:
     if not facts.chat_template:
         raise UsageError(f"{facts.name} has no chat template to translate for Ollama")
     with ChatTemplate(facts.chat_template, bos_token=facts.bos_text, eos_token=facts.eos_text, model_name=facts.name) as t:
+
         def render(msgs, gen):
             text = t.render(msgs, add_generation_prompt=gen)
             if facts.add_bos and facts.bos_text and text.startswith(facts.bos_text):
-                text = text[len(facts.bos_text):]  # llama.cpp adds the BOS token itself, in Ollama too
+                text = text[len(facts.bos_text) :]  # llama.cpp adds the BOS token itself, in Ollama too
             return text
 
         return infer_pieces(render, name=facts.name)
@@ -185,7 +213,13 @@ def _pieces_for(facts: ModelFacts) -> RolePieces:
 
 def sampling_defaults() -> dict[str, float]:
     s = SamplingParams()
-    return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p, "repeat_penalty": s.repeat_penalty}
+    return {
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "repeat_penalty": s.repeat_penalty,
+    }
 
 
 def _quote(value: str) -> str:
@@ -201,8 +235,11 @@ def modelfile_text(facts: ModelFacts, gguf_name: str, *, n_ctx: Optional[int] = 
         if s and s not in stops and "\n" not in s:
             stops.append(s)
     ctx = n_ctx or min(DEFAULT_CTX, facts.context_length or DEFAULT_CTX)
-    lines = [f"# {facts.name}, exported by edgellm for `ollama create NAME -f Modelfile`", f"FROM ./{gguf_name}",
-             f"TEMPLATE {_quote(pieces.go_template())}"]
+    lines = [
+        f"# {facts.name}, exported by edgellm for `ollama create NAME -f Modelfile`",
+        f"FROM ./{gguf_name}",
+        f"TEMPLATE {_quote(pieces.go_template())}",
+    ]
     lines += [f'PARAMETER stop "{s}"' for s in stops if '"' not in s]
     lines.append(f"PARAMETER num_ctx {ctx}")
     lines += [f"PARAMETER {k} {v:g}" for k, v in sampling_defaults().items()]
@@ -250,29 +287,63 @@ def export_ollama(name: str, dest: Path, *, n_ctx: Optional[int] = None, on_prog
         if created:  # a folder this export made and could not finish is removed again
             shutil.rmtree(dest, ignore_errors=True)
         raise
-    return {"model": r.label, "dir": str(dest), "gguf": str(dest / gguf_name), "sha256": sha,
-            "modelfile": str(dest / "Modelfile"), "create": f"ollama create {_ollama_name(r.label)} -f {dest / 'Modelfile'}"}
+    return {
+        "model": r.label,
+        "dir": str(dest),
+        "gguf": str(dest / gguf_name),
+        "sha256": sha,
+        "modelfile": str(dest / "Modelfile"),
+        "create": f"ollama create {_ollama_name(r.label)} -f {dest / 'Modelfile'}",
+    }
 
 
 def _ollama_name(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in label.lower())
 
 
-def llama_server(name: str, *, n_ctx: Optional[int] = None, threads: Optional[int] = None, kv_type: str = "f16",
-                 host: str = "127.0.0.1", port: int = 8080, rpc: Optional[str] = None) -> dict[str, Any]:
+def llama_server(
+    name: str,
+    *,
+    n_ctx: Optional[int] = None,
+    threads: Optional[int] = None,
+    kv_type: str = "f16",
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    rpc: Optional[str] = None,
+) -> dict[str, Any]:
     """The llama-server command line that serves `name` as `edgellm serve` would, and a llama-swap entry."""
 
     r = resolve(name)
     facts = model_facts(r.path, r.label)
     ctx = n_ctx or min(DEFAULT_CTX, facts.context_length or DEFAULT_CTX)
-    args = ["-m", str(r.path), "--ctx-size", str(ctx), "--threads", str(threads or default_threads()),
-            "--cache-type-k", kv_type, "--cache-type-v", kv_type]
+    args = [
+        "-m",
+        str(r.path),
+        "--ctx-size",
+        str(ctx),
+        "--threads",
+        str(threads or default_threads()),
+        "--cache-type-k",
+        kv_type,
+        "--cache-type-v",
+        kv_type,
+    ]
     if kv_type != "f16":
         args += ["--flash-attn", "on"]  # llama.cpp needs it for a quantized V cache, as edgellm does
     args += ["--jinja"]  # the GGUF's own chat template, rendered by llama.cpp's Jinja engine
     s = sampling_defaults()
-    args += ["--temp", f"{s['temperature']:g}", "--top-k", f"{s['top_k']:g}", "--top-p", f"{s['top_p']:g}",
-             "--min-p", f"{s['min_p']:g}", "--repeat-penalty", f"{s['repeat_penalty']:g}"]
+    args += [
+        "--temp",
+        f"{s['temperature']:g}",
+        "--top-k",
+        f"{s['top_k']:g}",
+        "--top-p",
+        f"{s['top_p']:g}",
+        "--min-p",
+        f"{s['min_p']:g}",
+        "--repeat-penalty",
+        f"{s['repeat_penalty']:g}",
+    ]
     if rpc:
         args += ["--rpc", ",".join(map(str, parse_endpoints(rpc))), "-ngl", "99"]
     cmd = ["llama-server", *args, "--host", host, "--port", str(port)]
@@ -281,5 +352,15 @@ def llama_server(name: str, *, n_ctx: Optional[int] = None, threads: Optional[in
     return {"model": r.label, "command": cmd, "command_line": " ".join(shlex.quote(a) for a in cmd), "llama_swap": swap}
 
 
-__all__ = ["RolePieces", "infer_pieces", "model_facts", "edgellm_render", "modelfile_text", "check_modelfile",
-           "export_ollama", "llama_server", "MODELFILE_DIRECTIVES", "OLLAMA_PARAMETERS"]
+__all__ = [
+    "RolePieces",
+    "infer_pieces",
+    "model_facts",
+    "edgellm_render",
+    "modelfile_text",
+    "check_modelfile",
+    "export_ollama",
+    "llama_server",
+    "MODELFILE_DIRECTIVES",
+    "OLLAMA_PARAMETERS",
+]

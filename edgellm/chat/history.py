@@ -47,8 +47,15 @@ class SessionSummary:
     title: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "path": str(self.path), "model": self.model, "created": self.created,
-                "updated": self.updated, "messages": self.messages, "title": self.title}
+        return {
+            "id": self.id,
+            "path": str(self.path),
+            "model": self.model,
+            "created": self.created,
+            "updated": self.updated,
+            "messages": self.messages,
+            "title": self.title,
+        }
 
 
 @dataclass
@@ -64,8 +71,15 @@ class SavedSession:
     torn_tail: bool = False  # the last line was incomplete and ignored
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "path": str(self.path), "model": self.model, "created": self.created,
-                "system": self.system, "messages": self.messages, "torn_tail": self.torn_tail}
+        return {
+            "id": self.id,
+            "path": str(self.path),
+            "model": self.model,
+            "created": self.created,
+            "system": self.system,
+            "messages": self.messages,
+            "torn_tail": self.torn_tail,
+        }
 
 
 class HistoryWriter:
@@ -76,7 +90,9 @@ class HistoryWriter:
         self.id = session_id
 
     @classmethod
-    def create(cls, *, model: str, system: Optional[str], folder: Optional[Path] = None, session_id: Optional[str] = None) -> "HistoryWriter":
+    def create(
+        cls, *, model: str, system: Optional[str], folder: Optional[Path] = None, session_id: Optional[str] = None
+    ) -> HistoryWriter:
         folder = paths.ensure(folder or paths.history_dir())
         sid = session_id or new_session_id()
         w = cls(folder / f"{sid}.jsonl", sid)
@@ -84,7 +100,7 @@ class HistoryWriter:
         return w
 
     @classmethod
-    def reopen(cls, saved: SavedSession) -> "HistoryWriter":
+    def reopen(cls, saved: SavedSession) -> HistoryWriter:
         """Continue a saved session: cut a torn last line so new lines stay whole."""
         _truncate_torn_tail(saved.path)
         return cls(saved.path, saved.id)
@@ -156,8 +172,14 @@ def load(ref: str | Path, *, folder: Optional[Path] = None) -> SavedSession:
     if not records or records[0].get("type") != "session":
         raise StoreError(f"{path} is not an edgellm chat history file")
     head = records[0]
-    s = SavedSession(id=str(head.get("id") or path.stem), path=path, model=str(head.get("model", "")),
-                     created=float(head.get("created", 0)), system=head.get("system"), torn_tail=torn)
+    s = SavedSession(
+        id=str(head.get("id") or path.stem),
+        path=path,
+        model=str(head.get("model", "")),
+        created=float(head.get("created", 0)),
+        system=head.get("system"),
+        torn_tail=torn,
+    )
     for r in records[1:]:
         if r.get("type") == "system":
             s.system = r.get("content")
@@ -212,7 +234,11 @@ def write_copy(s: SavedSession, target: Path) -> Path:
     if target.suffix.lower() in (".md", ".markdown"):
         atomic_write_text(target, to_markdown(s))
     else:
-        lines = [json.dumps({"type": "session", "version": VERSION, "id": s.id, "model": s.model, "created": s.created, "system": s.system})]
+        lines = [
+            json.dumps(
+                {"type": "session", "version": VERSION, "id": s.id, "model": s.model, "created": s.created, "system": s.system}
+            )
+        ]
         lines += [json.dumps({"type": "message", **m}, ensure_ascii=False) for m in s.messages]
         atomic_write_text(target, "\n".join(lines) + "\n")
     return target

@@ -21,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 from edgellm.chat import history as chat_history
 from edgellm.chat.structured import Constraint
@@ -119,7 +120,7 @@ class ChatSession:
     # -- resume --------------------------------------------------------------
 
     @classmethod
-    def resume(cls, runtime: Runtime, ref: str, **kw: Any) -> "ChatSession":
+    def resume(cls, runtime: Runtime, ref: str, **kw: Any) -> ChatSession:
         """Continue a saved session (an id or a .jsonl path); new turns append to its file."""
         saved = chat_history.load(ref)
         if saved.torn_tail:
@@ -215,7 +216,7 @@ class ChatSession:
         # What the KV cache holds now: this prompt, then the generated tokens it evaluated.
         kv = self.runtime.cached_tokens()
         if kv[: len(prompt)] == prompt:
-            self._segments = segments + [_Segment(self.runtime.token_piece(t), [t]) for t in kv[len(prompt):]]
+            self._segments = segments + [_Segment(self.runtime.token_piece(t), [t]) for t in kv[len(prompt) :]]
         else:
             self._segments = []
         st.kv_tokens = len(kv)
@@ -262,7 +263,9 @@ class ChatSession:
             # each drop re-evaluates the history.
             budget = n_ctx - n_ctx // 4
         if dropped:
-            self.warn(f"context full ({n_ctx} tokens): dropped the {dropped} oldest turn{'s' if dropped > 1 else ''}, kept the system prompt")
+            self.warn(
+                f"context full ({n_ctx} tokens): dropped the {dropped} oldest turn{'s' if dropped > 1 else ''}, kept the system prompt"
+            )
         self._window_start = start
         return tokens, segments, dropped
 
@@ -333,7 +336,7 @@ class ChatSession:
         if self._own_template:
             self.template.close()
 
-    def __enter__(self) -> "ChatSession":
+    def __enter__(self) -> ChatSession:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -387,13 +390,17 @@ def format_info(info: dict[str, Any]) -> str:
     lines.append(kv_line)
     lines.append(f"KV in use    {info['kv_tokens']} tokens, {human_size(info['kv_used_bytes'])}")
     t = info["totals"]
-    lines.append(f"this chat    {t['turns']} turns, {t['prompt_tokens_evaluated']} prompt tokens evaluated, "
-                 f"{t['prompt_tokens_reused']} reused from the KV cache, {t['generated_tokens']} generated"
-                 + (f", {t['dropped_turns']} old turns dropped" if t["dropped_turns"] else ""))
+    lines.append(
+        f"this chat    {t['turns']} turns, {t['prompt_tokens_evaluated']} prompt tokens evaluated, "
+        f"{t['prompt_tokens_reused']} reused from the KV cache, {t['generated_tokens']} generated"
+        + (f", {t['dropped_turns']} old turns dropped" if t["dropped_turns"] else "")
+    )
     st = info["last_turn"]
     if st:
-        lines.append(f"last reply   {st['generated_tokens']} tokens at {st['tokens_per_second']:.1f} tokens/s; "
-                     f"prompt {st['prompt_tokens']} tokens ({st['evaluated_prompt_tokens']} evaluated), first token after {st['ttft_seconds']:.2f} s")
+        lines.append(
+            f"last reply   {st['generated_tokens']} tokens at {st['tokens_per_second']:.1f} tokens/s; "
+            f"prompt {st['prompt_tokens']} tokens ({st['evaluated_prompt_tokens']} evaluated), first token after {st['ttft_seconds']:.2f} s"
+        )
     lines.append(f"process      RSS {human_size(info['rss_bytes'])}, {info['threads']} threads, {info['gpu_layers']} GPU layers")
     return "\n".join(lines)
 
@@ -404,7 +411,7 @@ def strip_bos(rt: Runtime, data: bytes) -> tuple[bytes, list[int]]:
         return data, []
     bos_text = rt.token_text(rt.token_bos()).encode("utf-8")
     if bos_text and data.startswith(bos_text):
-        data = data[len(bos_text):]
+        data = data[len(bos_text) :]
     return data, [rt.token_bos()]
 
 
@@ -416,8 +423,10 @@ def template_tokens(rt: Runtime, template: ChatTemplate, messages: list[dict[str
 
 def stats_line(st: GenerationStats) -> str:
     """The one-line summary printed on stderr after a reply."""
-    s = (f"[{st.generated_tokens} tokens, {st.tokens_per_second:.1f} tokens/s; prompt {st.prompt_tokens} tokens, "
-         f"{st.evaluated_prompt_tokens} evaluated in {st.prompt_seconds:.2f} s; stop: {st.stop_reason}")
+    s = (
+        f"[{st.generated_tokens} tokens, {st.tokens_per_second:.1f} tokens/s; prompt {st.prompt_tokens} tokens, "
+        f"{st.evaluated_prompt_tokens} evaluated in {st.prompt_seconds:.2f} s; stop: {st.stop_reason}"
+    )
     if st.dropped_turns:
         s += f"; dropped {st.dropped_turns} old turns"
     return s + "]"
@@ -432,4 +441,15 @@ def _rss() -> int:
         return 0
 
 
-__all__ = ["ChatTemplate", "Conversation", "ChatSession", "ChatTotals", "TemplateError", "format_info", "open_session", "stats_line", "strip_bos", "template_tokens"]
+__all__ = [
+    "ChatTemplate",
+    "Conversation",
+    "ChatSession",
+    "ChatTotals",
+    "TemplateError",
+    "format_info",
+    "open_session",
+    "stats_line",
+    "strip_bos",
+    "template_tokens",
+]

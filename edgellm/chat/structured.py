@@ -45,7 +45,7 @@ class Constraint:
 
         return LlamaGrammar.from_string(self.gbnf, verbose=False)
 
-    def check(self, runtime) -> "Constraint":
+    def check(self, runtime) -> Constraint:
         """Have llama.cpp parse the grammar now; a bad one is a one-line UsageError."""
         try:
             runtime.check_grammar(self.gbnf)

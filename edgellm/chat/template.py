@@ -25,8 +25,9 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from edgellm.errors import EdgeLLMError, one_line
 
@@ -82,17 +83,28 @@ class ChatTemplate:
         self._finalizer = weakref.finalize(self, self._worker.close)
 
     @classmethod
-    def for_runtime(cls, runtime, *, timeout: Optional[float] = None, warn: Optional[Callable[[str], None]] = None) -> "ChatTemplate":
+    def for_runtime(
+        cls, runtime, *, timeout: Optional[float] = None, warn: Optional[Callable[[str], None]] = None
+    ) -> ChatTemplate:
         """The template of a loaded model, with its BOS/EOS token texts."""
         info = getattr(runtime, "info", None)
         source = info.chat_template if info is not None else None
         eos = runtime.token_text(runtime.llm.token_eos())
-        return cls(source, bos_token=runtime.token_text(runtime.token_bos()), eos_token=eos, timeout=timeout, warn=warn, model_name=Path(runtime.path).name)
+        return cls(
+            source,
+            bos_token=runtime.token_text(runtime.token_bos()),
+            eos_token=eos,
+            timeout=timeout,
+            warn=warn,
+            model_name=Path(runtime.path).name,
+        )
 
     def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True, **extra: Any) -> str:
         context = {
             # Tool calls and tool results ride along for templates that render them (edgellm.serve.tools).
-            "messages": [{"role": m["role"], "content": m["content"], **{k: m[k] for k in _TOOL_KEYS if k in m}} for m in messages],
+            "messages": [
+                {"role": m["role"], "content": m["content"], **{k: m[k] for k in _TOOL_KEYS if k in m}} for m in messages
+            ],
             "add_generation_prompt": add_generation_prompt,
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
@@ -103,7 +115,7 @@ class ChatTemplate:
     def close(self) -> None:
         self._finalizer()
 
-    def __enter__(self) -> "ChatTemplate":
+    def __enter__(self) -> ChatTemplate:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -133,7 +145,11 @@ class _Worker:
         # Its own session: a Ctrl-C meant for the reply must not kill the renderer.
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from edgellm.chat.template import _worker_main; _worker_main()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
         )
         self._buf = b""
         return self.proc

@@ -108,9 +108,7 @@ def cli(ctx: click.Context, verbose: int) -> None:
       edgellm chat smollm2-135m-instruct -p "Hello"
       edgellm quantize smollm2-135m-instruct-f16 --level q4_k_m
     """
-    logging.basicConfig(
-        level=logging.WARNING - 10 * verbose, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logging.basicConfig(level=logging.WARNING - 10 * verbose, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if ctx.invoked_subcommand == "quantize":
         # its llama.cpp worker needs ~0.1 s to start: begun here, that overlaps
         # the cleanup, the command's imports and its input checks
@@ -126,7 +124,9 @@ def cli(ctx: click.Context, verbose: int) -> None:
 def _startup_cleanup() -> None:
     """Remove temp files of killed jobs, as promised: at the next start."""
     try:
-        from edgellm.models.store import Store  # the store (filelock, the index) only when a command runs: `edgellm --help` < 0.3 s
+        from edgellm.models.store import (
+            Store,
+        )  # the store (filelock, the index) only when a command runs: `edgellm --help` < 0.3 s
 
         Store().cleanup()
     except Exception as e:  # housekeeping must never block a command

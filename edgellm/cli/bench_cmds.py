@@ -18,11 +18,38 @@ from edgellm.profile.results import write_plot
 from edgellm.units import SIZE_HELP
 
 CSV_FIELDS = [
-    "model", "model_filename", "model_type", "model_size", "model_n_params", "test", "n_prompt", "n_gen",
-    "n_threads", "n_ctx", "use_mmap", "mlock", "avg_ts", "stddev_ts", "ttft_seconds", "load_seconds",
-    "rss_bytes", "file_backed_bytes", "anon_bytes", "kv_bytes", "compute_buffer_bytes", "file_bytes",
-    "bandwidth_bytes_per_s", "read_bytes_per_token", "roofline_ts", "roofline_fraction", "llama_bench_ts", "ratio",
-    "n_gpu_layers", "gpu_device", "device_bytes", "host_bytes",
+    "model",
+    "model_filename",
+    "model_type",
+    "model_size",
+    "model_n_params",
+    "test",
+    "n_prompt",
+    "n_gen",
+    "n_threads",
+    "n_ctx",
+    "use_mmap",
+    "mlock",
+    "avg_ts",
+    "stddev_ts",
+    "ttft_seconds",
+    "load_seconds",
+    "rss_bytes",
+    "file_backed_bytes",
+    "anon_bytes",
+    "kv_bytes",
+    "compute_buffer_bytes",
+    "file_bytes",
+    "bandwidth_bytes_per_s",
+    "read_bytes_per_token",
+    "roofline_ts",
+    "roofline_fraction",
+    "llama_bench_ts",
+    "ratio",
+    "n_gpu_layers",
+    "gpu_device",
+    "device_bytes",
+    "host_bytes",
 ]
 
 
@@ -32,11 +59,15 @@ CSV_FIELDS = [
 @click.option("--tg", type=int, default=128, show_default=True, help="Tokens for the generation test (0: skip it).")
 @click.option("-r", "--repetitions", type=int, default=5, show_default=True, help="Repetitions per test.")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: physical cores).")
-@click.option("--ctx", "n_ctx", type=int, default=None, help="Context size (default: each test its own token count, as llama-bench).")
+@click.option(
+    "--ctx", "n_ctx", type=int, default=None, help="Context size (default: each test its own token count, as llama-bench)."
+)
 @click.option("--no-mmap", is_flag=True, help="Read the weights into private memory instead of mapping the file.")
 @click.option("--gpu-layers", default="0", show_default=True, help="Layers to offload: N, all, auto (what fits) or 0.")
 @click.option("--gpu-device", default=None, help="GPU device index or name (see `edgellm doctor`); needed for a software device.")
-@click.option("--gpu-mem", default=None, metavar="SIZE", help=f"Most memory to use on the device, e.g. 512MB or 4GiB ({SIZE_HELP}).")
+@click.option(
+    "--gpu-mem", default=None, metavar="SIZE", help=f"Most memory to use on the device, e.g. 512MB or 4GiB ({SIZE_HELP})."
+)
 @click.option("--mlock", is_flag=True, help="Lock the weights in RAM.")
 @click.option("--json", "fmt", flag_value="json", help="JSON rows (llama-bench's field names).")
 @click.option("--csv", "fmt", flag_value="csv", help="CSV rows.")
@@ -45,7 +76,25 @@ CSV_FIELDS = [
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a PNG of tokens/s per level.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @rpc_options
-def bench_cmd(models, pp, tg, repetitions, threads, n_ctx, no_mmap, gpu_layers, gpu_device, gpu_mem, mlock, fmt, compare_llama_bench, plot_path, no_progress, rpc=None, rpc_split=None) -> None:
+def bench_cmd(
+    models,
+    pp,
+    tg,
+    repetitions,
+    threads,
+    n_ctx,
+    no_mmap,
+    gpu_layers,
+    gpu_device,
+    gpu_mem,
+    mlock,
+    fmt,
+    compare_llama_bench,
+    plot_path,
+    no_progress,
+    rpc=None,
+    rpc_split=None,
+) -> None:
     """Prompt (pp) and generation (tg) tokens/s as llama-bench measures them (mean ± sd over
     repetitions), time to first token, load time, and memory: peak RSS, the resident pages of the
     mapped weights (file-backed) vs private anonymous pages (KV cache, compute buffers), and the KV
@@ -55,15 +104,37 @@ def bench_cmd(models, pp, tg, repetitions, threads, n_ctx, no_mmap, gpu_layers, 
     With --rpc: each test runs here and split across the workers, and the network's share of
     the time is reported (with --compare-llama-bench, llama-bench --rpc on the same split)."""
     if rpc or rpc_split:
-        return _bench_rpc(models, rpc, rpc_split, pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx,
-                          compare_llama_bench=compare_llama_bench, fmt=fmt, no_progress=no_progress)
+        return _bench_rpc(
+            models,
+            rpc,
+            rpc_split,
+            pp=pp,
+            tg=tg,
+            repetitions=repetitions,
+            threads=threads,
+            n_ctx=n_ctx,
+            compare_llama_bench=compare_llama_bench,
+            fmt=fmt,
+            no_progress=no_progress,
+        )
 
     with cancellable() as cancel:
         rows = bench(
-            list(models), pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx,
-            use_mmap=not no_mmap, mlock=mlock, compare_llama_bench=compare_llama_bench,
-            n_gpu_layers=gpu_layers, gpu_device=gpu_device, gpu_mem=parse_size(gpu_mem), warn=lambda m: click.echo(m, err=True),
-            on_progress=progress_bar(not no_progress and fmt is None), cancel=cancel,
+            list(models),
+            pp=pp,
+            tg=tg,
+            repetitions=repetitions,
+            threads=threads,
+            n_ctx=n_ctx,
+            use_mmap=not no_mmap,
+            mlock=mlock,
+            compare_llama_bench=compare_llama_bench,
+            n_gpu_layers=gpu_layers,
+            gpu_device=gpu_device,
+            gpu_mem=parse_size(gpu_mem),
+            warn=lambda m: click.echo(m, err=True),
+            on_progress=progress_bar(not no_progress and fmt is None),
+            cancel=cancel,
         )
     if plot_path:
         write_plot(rows, plot_path)
@@ -95,8 +166,15 @@ def _bench_rpc(models, rpc, rpc_split, *, fmt, no_progress, **kw) -> None:
             click.echo(line, err=True)
 
     with cancellable() as cancel:
-        plan, rows = bench_rpc(models[0], rpc, rpc_split=rpc_split, on_plan=show, cancel=cancel,
-                               on_progress=progress_bar(not no_progress and fmt is None), **kw)
+        plan, rows = bench_rpc(
+            models[0],
+            rpc,
+            rpc_split=rpc_split,
+            on_plan=show,
+            cancel=cancel,
+            on_progress=progress_bar(not no_progress and fmt is None),
+            **kw,
+        )
     if fmt == "json":
         emit_json({"rpc_plan": plan, "rows": [r.to_json() for r in rows]})
     else:
@@ -112,11 +190,23 @@ def _secs(x) -> str:
 
 
 def _cells(r, compare: bool) -> list[str]:
-    cells = [r.model, r.model_type, r.test, f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}", _secs(r.ttft_seconds), _secs(r.load_seconds),
-             _mb(r.rss_bytes), _mb(r.file_backed_bytes), _mb(r.anon_bytes), _mb(r.kv_bytes)]
+    cells = [
+        r.model,
+        r.model_type,
+        r.test,
+        f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}",
+        _secs(r.ttft_seconds),
+        _secs(r.load_seconds),
+        _mb(r.rss_bytes),
+        _mb(r.file_backed_bytes),
+        _mb(r.anon_bytes),
+        _mb(r.kv_bytes),
+    ]
     if compare:
-        cells += ["-" if r.llama_bench_ts is None else f"{r.llama_bench_ts:.2f} ± {r.llama_bench_stddev_ts or 0:.2f}",
-                  "-" if r.ratio is None else f"{r.ratio:.3f}x"]
+        cells += [
+            "-" if r.llama_bench_ts is None else f"{r.llama_bench_ts:.2f} ± {r.llama_bench_stddev_ts or 0:.2f}",
+            "-" if r.ratio is None else f"{r.ratio:.3f}x",
+        ]
     return cells
 
 
@@ -128,18 +218,24 @@ def _text(rows) -> str:
     head = _HEAD + (["llama-bench t/s", "ratio"] if compare else [])
     table = [head] + [_cells(r, compare) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in table]
     t = rows[0] if rows else None
     if t is not None:
-        lines.append(f"threads {t.n_threads}, ctx {'pp+tg' if len({r.n_ctx for r in rows}) > 1 else t.n_ctx}, "
-                     f"{'mmap' if t.use_mmap else 'no mmap'}{', mlock' if t.mlock else ''}, {len(t.samples_ns)} repetitions")
+        lines.append(
+            f"threads {t.n_threads}, ctx {'pp+tg' if len({r.n_ctx for r in rows}) > 1 else t.n_ctx}, "
+            f"{'mmap' if t.use_mmap else 'no mmap'}{', mlock' if t.mlock else ''}, {len(t.samples_ns)} repetitions"
+        )
     for r in rows:
         if r.n_gpu_layers:
-            lines.append(f"{r.model} {r.test}: {r.n_gpu_layers} layers on {r.gpu_device or 'the GPU'}; llama.cpp allocated "
-                         f"{_mb(r.device_bytes)} on the device, {_mb(r.host_bytes)} on the host")
+            lines.append(
+                f"{r.model} {r.test}: {r.n_gpu_layers} layers on {r.gpu_device or 'the GPU'}; llama.cpp allocated "
+                f"{_mb(r.device_bytes)} on the device, {_mb(r.host_bytes)} on the host"
+            )
         if r.roofline_ts:
-            lines.append(f"{r.model}: memory bandwidth {r.bandwidth_bytes_per_s / 1e9:.1f} GB/s / {_mb(r.read_bytes_per_token or r.model_size)} read a token "
-                         f"-> generation roofline {r.roofline_ts:.1f} tok/s; {r.test} reached {100 * (r.roofline_fraction or 0):.0f}%")
+            lines.append(
+                f"{r.model}: memory bandwidth {r.bandwidth_bytes_per_s / 1e9:.1f} GB/s / {_mb(r.read_bytes_per_token or r.model_size)} read a token "
+                f"-> generation roofline {r.roofline_ts:.1f} tok/s; {r.test} reached {100 * (r.roofline_fraction or 0):.0f}%"
+            )
     return "\n".join(lines)
 
 

@@ -15,8 +15,8 @@ from typing import Any, Optional
 import click
 
 from edgellm import paths
-from edgellm.chat import history as chat_history
 from edgellm.chat import draft as chat_draft
+from edgellm.chat import history as chat_history
 from edgellm.chat import structured
 from edgellm.chat.session import ChatSession, format_info, open_session, stats_line
 from edgellm.cli.output import cancellable, emit_json
@@ -70,17 +70,38 @@ def _show_plan(plan) -> None:
 @click.option("--ctx", "n_ctx", type=int, default=DEFAULT_CTX, show_default=True, help="Context size in tokens.")
 @click.option("--gpu-layers", default="0", show_default=True, help="Layers to offload: N, all, auto (what fits) or 0.")
 @click.option("--gpu-device", default=None, help="GPU device index or name (see `edgellm doctor`); needed for a software device.")
-@click.option("--gpu-mem", default=None, metavar="SIZE", help=f"Most memory to use on the device, e.g. 512MB or 4GiB ({SIZE_HELP}).")
-@click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="KV cache type (q8_0/q4_0 use less memory).")
-@click.option("--draft", "draft", default="off", show_default=True, metavar="ngram|MODEL|auto|off",
-              help="Speculative decoding: drafts from the conversation's n-grams, or from a smaller model of the same vocabulary (auto: the smallest in the store). Lossless; drafts only where it pays.")
+@click.option(
+    "--gpu-mem", default=None, metavar="SIZE", help=f"Most memory to use on the device, e.g. 512MB or 4GiB ({SIZE_HELP})."
+)
+@click.option(
+    "--kv-type",
+    type=click.Choice(["f16", "q8_0", "q4_0"]),
+    default="f16",
+    show_default=True,
+    help="KV cache type (q8_0/q4_0 use less memory).",
+)
+@click.option(
+    "--draft",
+    "draft",
+    default="off",
+    show_default=True,
+    metavar="ngram|MODEL|auto|off",
+    help="Speculative decoding: drafts from the conversation's n-grams, or from a smaller model of the same vocabulary (auto: the smallest in the store). Lossless; drafts only where it pays.",
+)
 @click.option("--draft-max", type=int, default=0, help="Most drafted tokens per step (default 48; the length adapts below it).")
-@click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-              help="Flash attention; auto: on with --draft (its kernel rounds a batch as it rounds one token, so drafts leave the reply unchanged).")
+@click.option(
+    "--flash-attn",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="Flash attention; auto: on with --draft (its kernel rounds a batch as it rounds one token, so drafts leave the reply unchanged).",
+)
 @click.option("--mlock", is_flag=True, help="Lock the model in RAM.")
 @click.option("--no-mmap", is_flag=True, help="Read the model into memory instead of mapping it.")
 @click.option("--force", is_flag=True, help="Load even if weights + KV cache exceed available RAM.")
-@click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False), help="Constrain replies to JSON matching this schema file.")
+@click.option(
+    "--json-schema", "json_schema", type=click.Path(dir_okay=False), help="Constrain replies to JSON matching this schema file."
+)
 @click.option("--grammar", type=click.Path(dir_okay=False), help="Constrain replies with this GBNF grammar file.")
 @click.option("--resume", "resume_id", metavar="ID", help="Continue a saved session.")
 @click.option("--no-history", is_flag=True, help="Do not save this session.")
@@ -89,13 +110,42 @@ def _show_plan(plan) -> None:
 @click.option("--delete", "delete_id", metavar="ID", help="Delete a saved session.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="With --export: write to this file.")
 @rpc_options
-def chat_cmd(model: Optional[str], prompt: Optional[str], system: Optional[str], as_json: bool, temperature: float, top_k: int,
-             top_p: float, min_p: float, repeat_penalty: float, seed: Optional[int], max_tokens: int, stop: tuple[str, ...],
-             threads: Optional[int], n_ctx: int, gpu_layers: str, gpu_device: Optional[str], gpu_mem: Optional[str], kv_type: str,
-             draft: str, draft_max: int, flash_attn: str, mlock: bool, no_mmap: bool, force: bool,
-             json_schema: Optional[str], grammar: Optional[str], resume_id: Optional[str], no_history: bool,
-             list_sessions: bool, export_id: Optional[str], delete_id: Optional[str], output: Optional[str],
-             rpc: Optional[str] = None, rpc_split: Optional[str] = None) -> None:
+def chat_cmd(
+    model: Optional[str],
+    prompt: Optional[str],
+    system: Optional[str],
+    as_json: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    repeat_penalty: float,
+    seed: Optional[int],
+    max_tokens: int,
+    stop: tuple[str, ...],
+    threads: Optional[int],
+    n_ctx: int,
+    gpu_layers: str,
+    gpu_device: Optional[str],
+    gpu_mem: Optional[str],
+    kv_type: str,
+    draft: str,
+    draft_max: int,
+    flash_attn: str,
+    mlock: bool,
+    no_mmap: bool,
+    force: bool,
+    json_schema: Optional[str],
+    grammar: Optional[str],
+    resume_id: Optional[str],
+    no_history: bool,
+    list_sessions: bool,
+    export_id: Optional[str],
+    delete_id: Optional[str],
+    output: Optional[str],
+    rpc: Optional[str] = None,
+    rpc_split: Optional[str] = None,
+) -> None:
     """Chat with MODEL: interactive, or one-shot with -p.
 
     \b
@@ -121,15 +171,45 @@ def chat_cmd(model: Optional[str], prompt: Optional[str], system: Optional[str],
 
     draft = chat_draft.parse_draft(draft)
     fa = {"on": True, "off": False}.get(flash_attn, True if draft not in ("off", "none") else None)
-    opts = RuntimeOptions(n_ctx=n_ctx, n_threads=threads, n_gpu_layers=gpu_layers, gpu_device=gpu_device,
-                          gpu_mem=parse_size(gpu_mem), kv_type=kv_type, use_mlock=mlock, use_mmap=not no_mmap,
-                          force=force, rpc=rpc, rpc_split=rpc_split, flash_attn=fa)
+    opts = RuntimeOptions(
+        n_ctx=n_ctx,
+        n_threads=threads,
+        n_gpu_layers=gpu_layers,
+        gpu_device=gpu_device,
+        gpu_mem=parse_size(gpu_mem),
+        kv_type=kv_type,
+        use_mlock=mlock,
+        use_mmap=not no_mmap,
+        force=force,
+        rpc=rpc,
+        rpc_split=rpc_split,
+        flash_attn=fa,
+    )
     rpc_plan = prepare_rpc(resolved.path, rpc, rpc_split, n_ctx=n_ctx, kv_type=kv_type, force=force)
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                              seed=seed, max_tokens=max_tokens, stop=list(stop), draft_max=draft_max)
+    sampling = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repeat_penalty=repeat_penalty,
+        seed=seed,
+        max_tokens=max_tokens,
+        stop=list(stop),
+        draft_max=draft_max,
+    )
     history = False if no_history else None
-    session = open_session(resolved, opts, sampling, system=system, resume=resume_id, constraint=constraint,
-                           history=history, warn=_warn, rpc_plan=rpc_plan, on_plan=_show_plan)
+    session = open_session(
+        resolved,
+        opts,
+        sampling,
+        system=system,
+        resume=resume_id,
+        constraint=constraint,
+        history=history,
+        warn=_warn,
+        rpc_plan=rpc_plan,
+        on_plan=_show_plan,
+    )
     runtime = session.runtime
     try:
         drafting = chat_draft.attach(runtime, draft, warn=_warn)
@@ -151,15 +231,26 @@ def chat_cmd(model: Optional[str], prompt: Optional[str], system: Optional[str],
                     _stream_reply(session, prompt, cancel)
             st = session.last_stats
             if as_json:
-                emit_json({
-                    "model": resolved.label, "path": str(resolved.path), "session_id": session.session_id,
-                    "system": session.conversation.system, "messages": session.conversation.messages,
-                    "reply": reply, "json": session.last_value, "stats": st, "load_seconds": round(runtime.load_seconds, 4),
-                    "options": opts, "sampling": {k: v for k, v in sampling.__dict__.items() if k != "grammar"},
-                    "constraint": constraint.kind if constraint else None, "rpc_plan": rpc_plan,
-                    "gpu": runtime.gpu_report(), "draft": chat_draft.describe(drafting),
-                    "threads": {"now": runtime.threads_now, "pinned": runtime.threads_pinned},
-                })
+                emit_json(
+                    {
+                        "model": resolved.label,
+                        "path": str(resolved.path),
+                        "session_id": session.session_id,
+                        "system": session.conversation.system,
+                        "messages": session.conversation.messages,
+                        "reply": reply,
+                        "json": session.last_value,
+                        "stats": st,
+                        "load_seconds": round(runtime.load_seconds, 4),
+                        "options": opts,
+                        "sampling": {k: v for k, v in sampling.__dict__.items() if k != "grammar"},
+                        "constraint": constraint.kind if constraint else None,
+                        "rpc_plan": rpc_plan,
+                        "gpu": runtime.gpu_report(),
+                        "draft": chat_draft.describe(drafting),
+                        "threads": {"now": runtime.threads_now, "pinned": runtime.threads_pinned},
+                    }
+                )
             else:
                 click.echo(stats_line(st), err=True)
             if st.stop_reason == "cancelled":
@@ -244,6 +335,7 @@ def _interactive(session, runtime, kw: dict[str, Any]) -> None:
 @contextlib.contextmanager
 def _sigint_cancels(token):
     """During a reply, Ctrl-C stops the reply instead of the program."""
+
     def handler(_signum, _frame):
         token.cancel("stopped")
 
@@ -278,7 +370,9 @@ def _setup_readline() -> None:
     atexit.register(save)
 
 
-def _history_command(list_sessions: bool, export_id: Optional[str], delete_id: Optional[str], output: Optional[str], as_json: bool) -> None:
+def _history_command(
+    list_sessions: bool, export_id: Optional[str], delete_id: Optional[str], output: Optional[str], as_json: bool
+) -> None:
     import time
 
     if list_sessions:

@@ -46,18 +46,24 @@ def doctor_cmd(as_json: bool, model_ref, no_self_test: bool) -> None:
             cb = rep.cpu_backend
             click.echo(f"cpu backend       {cb['variant']} ({cb['source']}): {cb['reason']}")
             for v in cb["variants"]:
-                click.echo(f"  {v['name']:<16}score {v['score'] if v['score'] is not None else '-':>4}  {v['status'] or '-'}"
-                           + (f": {v['reason']}" if v["reason"] else ""))
+                click.echo(
+                    f"  {v['name']:<16}score {v['score'] if v['score'] is not None else '-':>4}  {v['status'] or '-'}"
+                    + (f": {v['reason']}" if v["reason"] else "")
+                )
         gpu = rep.gpu
         click.echo(f"gpu backends      {', '.join(gpu.get('backends') or []) or 'none (CPU-only build)'}")
         for d in gpu.get("devices", []):
             soft = f"  ({d['note']})" if d.get("note") else ""
-            click.echo(f"  device {d['index']:<8} {d['name']} [{d['backend']}, {d['kind']}] {d['description']}: "
-                       f"{human_size(d['free_bytes'])} free of {human_size(d['total_bytes'])}{soft}")
+            click.echo(
+                f"  device {d['index']:<8} {d['name']} [{d['backend']}, {d['kind']}] {d['description']}: "
+                f"{human_size(d['free_bytes'])} free of {human_size(d['total_bytes'])}{soft}"
+            )
         if gpu.get("backends") and gpu.get("note"):
             click.echo(f"  devices         none: {gpu['note']}")
         rpc = _rpc_info()
-        click.echo(f"rpc               {'compiled in, protocol ' + rpc['protocol'] if rpc['compiled_in'] else 'not compiled in (rebuild with scripts/setup.sh)'}")
+        click.echo(
+            f"rpc               {'compiled in, protocol ' + rpc['protocol'] if rpc['compiled_in'] else 'not compiled in (rebuild with scripts/setup.sh)'}"
+        )
         click.echo(f"ram               {human_size(rep.ram_total_bytes)} total, {human_size(rep.ram_available_bytes)} available")
         click.echo(f"store             {rep.home} ({human_size(rep.disk_free_bytes)} free)")
         if st.ok:

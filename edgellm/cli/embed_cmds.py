@@ -17,8 +17,12 @@ from edgellm.models.resolve import resolve
 @click.option("--json", "as_json", is_flag=True, help="Print {model, pooling, prompt_tokens, embeddings: [[...], ...]} as JSON.")
 @click.option("--ctx", "n_ctx", type=click.IntRange(8, 1 << 20), default=1024, show_default=True, help="Most tokens per text.")
 @click.option("--threads", "n_threads", type=click.IntRange(1, 1024), default=None, help="CPU threads [default: physical cores].")
-@click.option("--pooling", type=click.Choice([p for p in POOLING.values() if p not in ("none", "rank")]), default=None,
-              help="Override the pooling the model's metadata names [default: its own, else mean].")
+@click.option(
+    "--pooling",
+    type=click.Choice([p for p in POOLING.values() if p not in ("none", "rank")]),
+    default=None,
+    help="Override the pooling the model's metadata names [default: its own, else mean].",
+)
 def embed_cmd(model, texts, as_json, n_ctx, n_threads, pooling) -> None:
     """Embed TEXT... with MODEL: one line of floats per text, or --json.
 
@@ -33,8 +37,17 @@ def embed_cmd(model, texts, as_json, n_ctx, n_threads, pooling) -> None:
     for w in out.warnings:
         click.echo(f"warning: {w}", err=True)
     if as_json:
-        click.echo(json.dumps({"model": res.label, "pooling": out.pooling, "prompt_tokens": out.prompt_tokens,
-                               "dimensions": len(out.vectors[0]), "embeddings": out.vectors}))
+        click.echo(
+            json.dumps(
+                {
+                    "model": res.label,
+                    "pooling": out.pooling,
+                    "prompt_tokens": out.prompt_tokens,
+                    "dimensions": len(out.vectors[0]),
+                    "embeddings": out.vectors,
+                }
+            )
+        )
         return
     for v in out.vectors:
         click.echo(" ".join(f"{x:.6f}" for x in v))

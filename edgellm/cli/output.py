@@ -7,8 +7,9 @@ import contextlib
 import json
 import os
 import signal
+from collections.abc import Iterator
 from dataclasses import asdict
-from typing import Any, Iterator
+from typing import Any
 
 import click
 

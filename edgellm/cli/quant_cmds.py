@@ -14,29 +14,69 @@ from edgellm.units import SIZE_HELP
 
 @click.command("quantize")
 @click.argument("model")
-@click.option("-l", "--level", "levels", multiple=True,
-              help="Level to write (q4_0, q4_k_m, q5_k_m, q8_0, iq4_xs, f16, ...); repeat or comma-separate for several. Case-insensitive.")
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
-              help="Output file (one level) or folder. Default: the store, named <base>-<level>.")
+@click.option(
+    "-l",
+    "--level",
+    "levels",
+    multiple=True,
+    help="Level to write (q4_0, q4_k_m, q5_k_m, q8_0, iq4_xs, f16, ...); repeat or comma-separate for several. Case-insensitive.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Output file (one level) or folder. Default: the store, named <base>-<level>.",
+)
 @click.option("--threads", type=int, default=None, help="Threads for llama.cpp in all (default: physical cores).")
-@click.option("--jobs", type=int, default=None,
-              help="Levels quantized side by side, sharing --threads (default: 2 when RAM allows; 1: one after another).")
+@click.option(
+    "--jobs",
+    type=int,
+    default=None,
+    help="Levels quantized side by side, sharing --threads (default: 2 when RAM allows; 1: one after another).",
+)
 @click.option("--allow-requantize", is_flag=True, help="Allow an already-quantized input (the errors compound).")
-@click.option("--imatrix", default=None, metavar="NAME|FILE|auto",
-              help="Importance matrix: a stored one (`edgellm imatrix`), an imatrix GGUF file, or auto (this model's "
-                   "newest, else computed now on the shipped calibration text). Needed by iq1_*, iq2_*, iq3_xxs, "
-                   "iq3_xs, q2_k_s.")
-@click.option("--budget", default=None, metavar="SIZE",
-              help=f"Instead of --level: the best file within SIZE (100MB, 95MiB, 4.5bpw, or ram; {SIZE_HELP}), one type per tensor "
-                   "chosen from measured sensitivity on the calibration text. Uses --imatrix (default auto).")
+@click.option(
+    "--imatrix",
+    default=None,
+    metavar="NAME|FILE|auto",
+    help="Importance matrix: a stored one (`edgellm imatrix`), an imatrix GGUF file, or auto (this model's "
+    "newest, else computed now on the shipped calibration text). Needed by iq1_*, iq2_*, iq3_xxs, "
+    "iq3_xs, q2_k_s.",
+)
+@click.option(
+    "--budget",
+    default=None,
+    metavar="SIZE",
+    help=f"Instead of --level: the best file within SIZE (100MB, 95MiB, 4.5bpw, or ram; {SIZE_HELP}), one type per tensor "
+    "chosen from measured sensitivity on the calibration text. Uses --imatrix (default auto).",
+)
 @click.option("--exclude-types", default="", metavar="LIST", help="Types --budget may not use (comma-separated, e.g. q4_1).")
-@click.option("--recipe", "recipe_file", type=click.Path(path_type=Path), default=None,
-              help="Instead of --level: apply a saved --budget recipe (JSON) to a model of the same architecture.")
+@click.option(
+    "--recipe",
+    "recipe_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Instead of --level: apply a saved --budget recipe (JSON) to a model of the same architecture.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing output of the same name.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output: a list, one object per level.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, imatrix, budget, exclude_types, recipe_file,
-                 force, as_json, no_progress) -> None:
+def quantize_cmd(
+    model,
+    levels,
+    output,
+    threads,
+    jobs,
+    allow_requantize,
+    imatrix,
+    budget,
+    exclude_types,
+    recipe_file,
+    force,
+    as_json,
+    no_progress,
+) -> None:
     """Quantize MODEL (an F32/F16/BF16 GGUF: store name or path) with llama.cpp.
 
     Each level is written to a temporary file beside its target and renamed
@@ -61,25 +101,50 @@ def quantize_cmd(model, levels, output, threads, jobs, allow_requantize, imatrix
             if recipe_file is not None:
                 from quant.recipe import apply_recipe  # not quant.budget: the search's imports cost ~0.3 s
 
-                r, recipe = apply_recipe(model, recipe_file, imatrix=imatrix, output=output, threads=threads,
-                                         force=force, on_progress=bar, cancel=token)
+                r, recipe = apply_recipe(
+                    model,
+                    recipe_file,
+                    imatrix=imatrix,
+                    output=output,
+                    threads=threads,
+                    force=force,
+                    on_progress=bar,
+                    cancel=token,
+                )
             else:
                 from quant.budget import quantize_to_budget  # numpy and the sensitivity probes: only for --budget
 
-                r, recipe = quantize_to_budget(model, budget=budget, exclude=exclude_types.split(","),
-                                               imatrix=imatrix, output=output, threads=threads, force=force,
-                                               on_progress=bar, cancel=token)
+                r, recipe = quantize_to_budget(
+                    model,
+                    budget=budget,
+                    exclude=exclude_types.split(","),
+                    imatrix=imatrix,
+                    output=output,
+                    threads=threads,
+                    force=force,
+                    on_progress=bar,
+                    cancel=token,
+                )
         if as_json:
             emit_json([{**r.to_json(), "search_seconds": recipe.search_seconds, "recipe_file": recipe.file}])
             return
         click.echo(describe(r))
-        click.echo(f"  recipe: {recipe.file} (search {recipe.search_seconds:.1f} s, "
-                   f"quantization {r.quantize_seconds:.1f} s)")
+        click.echo(f"  recipe: {recipe.file} (search {recipe.search_seconds:.1f} s, quantization {r.quantize_seconds:.1f} s)")
         return
     wanted = [part.strip() for text in levels for part in text.split(",") if part.strip()]
     with running_job(not no_progress and not as_json) as (bar, token):
-        results = quantize(model, wanted, output=output, threads=threads, jobs=jobs, allow_requantize=allow_requantize,
-                           force=force, imatrix=imatrix, on_progress=bar, cancel=token)
+        results = quantize(
+            model,
+            wanted,
+            output=output,
+            threads=threads,
+            jobs=jobs,
+            allow_requantize=allow_requantize,
+            force=force,
+            imatrix=imatrix,
+            on_progress=bar,
+            cancel=token,
+        )
     if as_json:
         emit_json([r.to_json() for r in results])
         return
@@ -114,7 +179,9 @@ def convert_cmd(model, to, output, name, force, as_json, no_progress) -> None:
         emit_json(r.to_json())
         return
     types = ", ".join(f"{k} {v}" for k, v in sorted(r.tensor_types.items(), key=lambda kv: -kv[1]))
-    click.echo(f"{r.name}: {r.level} from {r.source_level}, {human_size(r.size_bytes)}, {r.bpw:.2f} bits/weight, {r.seconds:.1f} s")
+    click.echo(
+        f"{r.name}: {r.level} from {r.source_level}, {human_size(r.size_bytes)}, {r.bpw:.2f} bits/weight, {r.seconds:.1f} s"
+    )
     click.echo(f"  {r.path}")
     click.echo(f"  tensors: {types}")
     for w in r.warnings:
@@ -123,8 +190,13 @@ def convert_cmd(model, to, output, name, force, as_json, no_progress) -> None:
 
 @click.command("imatrix")
 @click.argument("model", required=False)
-@click.option("--text", "text", type=click.Path(path_type=Path), default=None,
-              help="Calibration text (default: the text shipped with edgellm: prose, code and dialogue).")
+@click.option(
+    "--text",
+    "text",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Calibration text (default: the text shipped with edgellm: prose, code and dialogue).",
+)
 @click.option("--ctx", type=int, default=512, show_default=True, help="Tokens per chunk (llama-imatrix's -c).")
 @click.option("--chunks", type=int, default=None, help="Chunks to evaluate (default: all the text holds).")
 @click.option("--name", default=None, help="Store name (default: <model>-imatrix).")
@@ -160,8 +232,9 @@ def imatrix_cmd(model, text, ctx, chunks, name, threads, force, list_, as_json, 
     if not model:
         raise UsageError("give a MODEL (store name or GGUF path), or --list")
     with running_job(not no_progress and not as_json) as (bar, token):
-        rec = compute_imatrix(model, text=text, ctx=ctx, chunks=chunks, name=name, force=force, threads=threads,
-                              on_progress=bar, cancel=token)
+        rec = compute_imatrix(
+            model, text=text, ctx=ctx, chunks=chunks, name=name, force=force, threads=threads, on_progress=bar, cancel=token
+        )
     if as_json:
         emit_json(rec.to_json())
     else:

@@ -10,7 +10,14 @@ from edgellm.errors import UsageError
 
 
 @click.command("tui")
-@click.option("--screen", "initial", type=click.Choice(["models", "quantize", "evaluate", "chat", "bench", "system"]), default="models", show_default=True, help="Screen to open first.")
+@click.option(
+    "--screen",
+    "initial",
+    type=click.Choice(["models", "quantize", "evaluate", "chat", "bench", "system"]),
+    default="models",
+    show_default=True,
+    help="Screen to open first.",
+)
 def tui_cmd(initial: str) -> None:
     """Open the terminal UI: models, quantize, evaluate, chat, bench, system.
 

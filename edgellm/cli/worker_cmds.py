@@ -10,8 +10,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import click
 
@@ -22,22 +23,42 @@ from edgellm.engine.runtime import default_threads
 from edgellm.errors import RuntimeFailure, UsageError
 from edgellm.fsutil import human_size
 
-SECURITY = ("the RPC protocol has no authentication or encryption: anyone who can reach this port can "
-            "allocate memory and run computations on this machine; keep it on a trusted LAN or behind an SSH tunnel "
-            "(docs/rpc.md)")
+SECURITY = (
+    "the RPC protocol has no authentication or encryption: anyone who can reach this port can "
+    "allocate memory and run computations on this machine; keep it on a trusted LAN or behind an SSH tunnel "
+    "(docs/rpc.md)"
+)
 
 
 def rpc_options(f: Callable) -> Callable:
     """--rpc and --split for chat, serve, bench, ppl and eval."""
-    f = click.option("--split", "rpc_split", default=None, metavar="A,B,...",
-                     help="With --rpc: layer shares for this machine, then each worker (default: by the memory each offers).")(f)
-    f = click.option("--rpc", "rpc", default=None, metavar="HOST:PORT[,...]",
-                     help="Split the model across these `edgellm worker`s (and this machine).")(f)
+    f = click.option(
+        "--split",
+        "rpc_split",
+        default=None,
+        metavar="A,B,...",
+        help="With --rpc: layer shares for this machine, then each worker (default: by the memory each offers).",
+    )(f)
+    f = click.option(
+        "--rpc",
+        "rpc",
+        default=None,
+        metavar="HOST:PORT[,...]",
+        help="Split the model across these `edgellm worker`s (and this machine).",
+    )(f)
     return f
 
 
-def prepare_rpc(path: Any, rpc: Optional[str], rpc_split: Optional[str], *, n_ctx: int, kv_type: str = "f16",
-                force: bool = False, show: bool = True) -> Any:
+def prepare_rpc(
+    path: Any,
+    rpc: Optional[str],
+    rpc_split: Optional[str],
+    *,
+    n_ctx: int,
+    kv_type: str = "f16",
+    force: bool = False,
+    show: bool = True,
+) -> Any:
     """Reach the workers and print the plan (stderr) before anything loads; None without --rpc."""
     if not rpc:
         if rpc_split:
@@ -76,19 +97,34 @@ def _listen_address(host: str) -> str:
 
 
 @click.command("worker")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on (IPv4; ::1 listens on 127.0.0.1). Anything but loopback (127.x, localhost, ::1) "
-                   "needs --allow-network.")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (IPv4; ::1 listens on 127.0.0.1). Anything but loopback (127.x, localhost, ::1) "
+    "needs --allow-network.",
+)
 @click.option("--port", default=50052, show_default=True, type=click.IntRange(1, 65535), help="TCP port.")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None, help="CPU threads (default: physical cores).")
-@click.option("--mem", "mem", default=None, metavar="SIZE",
-              help=f"Memory to offer hosts, e.g. 4GB or 4GiB ({units.SIZE_HELP}; default: the RAM available now).")
-@click.option("--cache", "cache_dir", type=click.Path(file_okay=False), default=None,
-              help="Keep received weights here, so a host that loads the same model again sends only hashes.")
+@click.option(
+    "--mem",
+    "mem",
+    default=None,
+    metavar="SIZE",
+    help=f"Memory to offer hosts, e.g. 4GB or 4GiB ({units.SIZE_HELP}; default: the RAM available now).",
+)
+@click.option(
+    "--cache",
+    "cache_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Keep received weights here, so a host that loads the same model again sends only hashes.",
+)
 @click.option("--allow-network", is_flag=True, help="Allow a non-loopback --host (the protocol has no authentication).")
 @click.option("-v", "--verbose", is_flag=True, help="Show llama.cpp's RPC server log (connections).")
-def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str], cache_dir: Optional[str],
-               allow_network: bool, verbose: bool) -> None:
+def worker_cmd(
+    host: str, port: int, threads: Optional[int], mem: Optional[str], cache_dir: Optional[str], allow_network: bool, verbose: bool
+) -> None:
     """Run a llama.cpp RPC worker: hosts split models onto it with --rpc HOST:PORT.
 
     \b
@@ -131,8 +167,10 @@ def worker_cmd(host: str, port: int, threads: Optional[int], mem: Optional[str],
     free, _total = info.devices[0]
     _stop_on_signals()  # before the banner: a supervisor may stop us as soon as it reads it
     try:
-        click.echo(f"edgellm worker: listening on {ip}:{port} (llama.cpp RPC protocol {'.'.join(map(str, info.version))}); "
-                   f"offering {human_size(free)} on the CPU ({desc}, {n_threads} threads){'; cache ' + str(cache) if cache else ''}")
+        click.echo(
+            f"edgellm worker: listening on {ip}:{port} (llama.cpp RPC protocol {'.'.join(map(str, info.version))}); "
+            f"offering {human_size(free)} on the CPU ({desc}, {n_threads} threads){'; cache ' + str(cache) if cache else ''}"
+        )
         if not units.is_loopback(ip):
             click.echo(f"warning: {SECURITY}", err=True)
         click.echo("Ctrl-C to stop", err=True)

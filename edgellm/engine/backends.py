@@ -33,10 +33,11 @@ import platform
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 from edgellm import paths
 from edgellm.engine import cpu_features as cpu_table
@@ -55,14 +56,25 @@ BREAK_ENV = "EDGELLM_BACKEND_BREAK"
 # (ggml_add_cpu_backend_variant); the kernel's spelling of each is the one table's (engine.cpu_features).
 _HSW = "SSE42 AVX F16C FMA AVX2 BMI2"
 _512 = _HSW + " AVX512"
-VARIANT_FEATURES: dict[str, list[str]] = {name: feats.split() for name, feats in {
-    "x64": "", "sse42": "SSE42", "sandybridge": "SSE42 AVX", "ivybridge": "SSE42 AVX F16C",
-    "piledriver": "SSE42 AVX F16C FMA", "haswell": _HSW, "alderlake": _HSW + " AVX_VNNI",
-    "skylakex": _512, "cannonlake": _512 + " AVX512_VBMI", "cascadelake": _512 + " AVX512_VNNI",
-    "icelake": _512 + " AVX512_VBMI AVX512_VNNI", "cooperlake": _512 + " AVX512_VNNI AVX512_BF16",
-    "zen4": _512 + " AVX512_VBMI AVX512_VNNI AVX512_BF16",
-    "sapphirerapids": _512 + " AVX512_VBMI AVX512_VNNI AVX512_BF16 AMX_TILE AMX_INT8",
-}.items()}
+VARIANT_FEATURES: dict[str, list[str]] = {
+    name: feats.split()
+    for name, feats in {
+        "x64": "",
+        "sse42": "SSE42",
+        "sandybridge": "SSE42 AVX",
+        "ivybridge": "SSE42 AVX F16C",
+        "piledriver": "SSE42 AVX F16C FMA",
+        "haswell": _HSW,
+        "alderlake": _HSW + " AVX_VNNI",
+        "skylakex": _512,
+        "cannonlake": _512 + " AVX512_VBMI",
+        "cascadelake": _512 + " AVX512_VNNI",
+        "icelake": _512 + " AVX512_VBMI AVX512_VNNI",
+        "cooperlake": _512 + " AVX512_VNNI AVX512_BF16",
+        "zen4": _512 + " AVX512_VBMI AVX512_VNNI AVX512_BF16",
+        "sapphirerapids": _512 + " AVX512_VBMI AVX512_VNNI AVX512_BF16 AMX_TILE AMX_INT8",
+    }.items()
+}
 
 
 @dataclass
@@ -103,7 +115,7 @@ def variants(lib: Optional[Path] = None) -> dict[str, Path]:
     lib = lib or lib_dir()
     if lib is None or not lib.is_dir():
         return {}
-    return {p.name[len(_PREFIX):-3]: p for p in sorted(lib.glob(_PREFIX + "*.so"))}
+    return {p.name[len(_PREFIX) : -3]: p for p in sorted(lib.glob(_PREFIX + "*.so"))}
 
 
 def cpu_flags() -> set[str]:
@@ -147,7 +159,8 @@ def score(path: Path) -> tuple[Optional[int], str]:
 
 def _choice_file(found: dict[str, Path]) -> Path:
     ident = {
-        "machine": platform.machine(), "flags": sorted(cpu_flags()),
+        "machine": platform.machine(),
+        "flags": sorted(cpu_flags()),
         "variants": {n: p.stat().st_size for n, p in found.items()},
     }
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
@@ -205,8 +218,9 @@ def choose(model_path: Optional[Path] = None, *, refresh: bool = False, tester: 
     rows.sort(key=lambda v: -(v.score or 0))
     candidates = [v for v in rows if not v.status]
     if not candidates:
-        raise RuntimeFailure("no CPU variant of this llama.cpp build can run on this CPU: " +
-                             "; ".join(f"{v.name}: {v.reason}" for v in rows))
+        raise RuntimeFailure(
+            "no CPU variant of this llama.cpp build can run on this CPU: " + "; ".join(f"{v.name}: {v.reason}" for v in rows)
+        )
     skipped: list[str] = []
     chosen: Optional[Variant] = None
     verified = False

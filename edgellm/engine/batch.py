@@ -30,8 +30,9 @@ calls `add`, `step` and `cancel_all`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import llama_cpp
 
@@ -49,7 +50,9 @@ class Sequence:
     sampling: SamplingParams
     emit: Callable[[str, Any], None]
     cancel: Any = None  # a CancelToken
-    on_token: Optional[Callable[[Any, int, int], None]] = None  # (ctx, output row, token) for each sampled non-EOG token: logprobs
+    on_token: Optional[Callable[[Any, int, int], None]] = (
+        None  # (ctx, output row, token) for each sampled non-EOG token: logprobs
+    )
     stats: GenerationStats = field(default_factory=GenerationStats)
     # engine state
     slot: int = -1
@@ -189,7 +192,9 @@ class BatchEngine:
             share = max(0, (self.batch.capacity - len(gen)) // len(gen))  # drafted tokens each may add to the batch
             for s in gen:
                 if s.spec is not None:
-                    room = min(share, self.n_ctx_seq - len(self.cached[s.slot]) - 2, s.sampling.max_tokens - s.stats.generated_tokens - 1)
+                    room = min(
+                        share, self.n_ctx_seq - len(self.cached[s.slot]) - 2, s.sampling.max_tokens - s.stats.generated_tokens - 1
+                    )
                     s.draft = s.spec.propose(room)
 
             def fill_gen(b: Batch, live: list[Sequence]) -> None:
@@ -228,7 +233,7 @@ class BatchEngine:
             n += self._decode([s], fill)
             if self.slots[s.slot] is not s:
                 continue
-            self.cached[s.slot].extend(s.prompt[start:start + k])
+            self.cached[s.slot].extend(s.prompt[start : start + k])
             s.n_done += k
             if s.out >= 0:
                 self._sample(s, time.perf_counter())
@@ -265,7 +270,12 @@ class BatchEngine:
         self.drafts.add(len(s.draft), acc)
         if self.slots[s.slot] is not s:  # finished in this step: its stats were filled before this verify counted
             c, st = s.spec.counters, s.stats
-            st.draft_tokens, st.draft_accepted, st.draft_steps, st.draft_accepted_per_pos = c.drafted, c.accepted, c.steps, list(c.per_pos)
+            st.draft_tokens, st.draft_accepted, st.draft_steps, st.draft_accepted_per_pos = (
+                c.drafted,
+                c.accepted,
+                c.steps,
+                list(c.per_pos),
+            )
         llama_cpp.llama_memory_seq_rm(self.mem, s.slot, len(cached), -1)  # the rejected tail, or what a stop cut off
         s.draft = []
 
@@ -297,7 +307,12 @@ class BatchEngine:
         st.stop_reason = reason
         if s.spec is not None:
             c = s.spec.counters
-            st.draft_tokens, st.draft_accepted, st.draft_steps, st.draft_accepted_per_pos = c.drafted, c.accepted, c.steps, list(c.per_pos)
+            st.draft_tokens, st.draft_accepted, st.draft_steps, st.draft_accepted_per_pos = (
+                c.drafted,
+                c.accepted,
+                c.steps,
+                list(c.per_pos),
+            )
         now = time.perf_counter()
         if s.t_first:
             st.generation_seconds = now - s.t_first

@@ -24,9 +24,10 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 TABLE_PATH = Path(__file__).with_suffix(".tsv")
 CPUINFO_ENV = "EDGELLM_CPUINFO"
@@ -53,8 +54,9 @@ def _load(path: Path = TABLE_PATH) -> list[Feature]:
         if not line.strip() or line.startswith("#") or line.startswith("cmake\t"):
             continue
         cmake, ggml, linux, macos, arch, build, shown = line.split("\t")
-        rows.append(Feature(None if cmake == "-" else cmake, ggml, linux, None if macos == "-" else macos, arch, build,
-                            shown == "yes"))
+        rows.append(
+            Feature(None if cmake == "-" else cmake, ggml, linux, None if macos == "-" else macos, arch, build, shown == "yes")
+        )
     return rows
 
 
@@ -63,7 +65,7 @@ BY_GGML: dict[str, Feature] = {f.ggml: f for f in TABLE}
 
 
 def arch_of(machine: Optional[str] = None) -> str:
-    """"x86" or "arm64" for a `platform.machine()` string; other architectures are neither."""
+    """ "x86" or "arm64" for a `platform.machine()` string; other architectures are neither."""
     m = (machine or platform.machine()).lower()
     if m in ("x86_64", "amd64", "i686", "i386"):
         return "x86"

@@ -16,7 +16,8 @@ drives `edgellm chat`, the TUI and `--parallel 1`) and the batched one
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import llama_cpp
 
@@ -132,8 +133,7 @@ class Batch:
         self.close()
 
 
-def decode_prompt(ctx: Any, batch: Batch, tokens: Sequence[int], start_pos: int, seq: int = 0,
-                  *, cancel: Any = None) -> bool:
+def decode_prompt(ctx: Any, batch: Batch, tokens: Sequence[int], start_pos: int, seq: int = 0, *, cancel: Any = None) -> bool:
     """Evaluate `tokens` from `start_pos` in batch-sized chunks, logits for the last one only.
 
     Returns False when cancelled between chunks (the KV then holds the chunks done).
@@ -191,7 +191,7 @@ class TextStream:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
             if len(data) - e.start < 4 and e.end == len(data):  # an incomplete trailing character: wait
-                self.pending = data[e.start:]
+                self.pending = data[e.start :]
                 text = data[: e.start].decode("utf-8", "replace")
             else:
                 text = data.decode("utf-8", "replace")
@@ -204,7 +204,7 @@ class TextStream:
             self.held = ""
             return held[:cut]
         keep = _stop_prefix_len(held, self.stops)
-        self.held = held[len(held) - keep:] if keep else ""
+        self.held = held[len(held) - keep :] if keep else ""
         return held[: len(held) - keep]
 
     def flush(self) -> str:
@@ -275,7 +275,17 @@ def _grammar_error(text: str) -> str:
         if "error parsing grammar" in ln or "parse:" in ln or "Undefined rule" in ln or "root" in ln:
             msg = ln.split("error parsing grammar:", 1)[-1].strip()
             return msg.rstrip(".")[:200]
-    return (lines[0][:200] if lines else "llama.cpp could not parse it")
+    return lines[0][:200] if lines else "llama.cpp could not parse it"
 
 
-__all__ = ["Sampler", "Batch", "TextStream", "decode_prompt", "token_piece", "grammar_text", "common_prefix", "check_grammar", "RANDOM_SEED"]
+__all__ = [
+    "Sampler",
+    "Batch",
+    "TextStream",
+    "decode_prompt",
+    "token_piece",
+    "grammar_text",
+    "common_prefix",
+    "check_grammar",
+    "RANDOM_SEED",
+]

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import llama_cpp
 
@@ -64,9 +65,13 @@ class Embedder:
             if pooling in ("none", "rank"):
                 pooling = "mean"
             if named is None:
-                self.warnings.append(f"{rt.path.name} names no pooling in its metadata; mean pooling used (as llama-embedding --pooling mean)")
+                self.warnings.append(
+                    f"{rt.path.name} names no pooling in its metadata; mean pooling used (as llama-embedding --pooling mean)"
+                )
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = params.n_batch = params.n_ubatch = n_ctx  # an input is decoded whole: pooling needs every token in one ubatch
+        params.n_ctx = params.n_batch = params.n_ubatch = (
+            n_ctx  # an input is decoded whole: pooling needs every token in one ubatch
+        )
         params.n_seq_max = MAX_SEQS
         params.kv_unified = True
         params.embeddings = True
@@ -81,7 +86,9 @@ class Embedder:
         self.pooling = POOLING.get(int(llama_cpp.llama_pooling_type(self.ctx)), pooling)
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx))
         self.n_embd = int(llama_cpp.llama_model_n_embd(model.model))
-        self.encoder = bool(llama_cpp.llama_model_has_encoder(model.model)) and not bool(llama_cpp.llama_model_has_decoder(model.model))
+        self.encoder = bool(llama_cpp.llama_model_has_encoder(model.model)) and not bool(
+            llama_cpp.llama_model_has_decoder(model.model)
+        )
         self.batch = Batch(self.n_ctx, 1)
         self.mem = llama_cpp.llama_get_memory(self.ctx)
 
@@ -132,8 +139,9 @@ class Embedder:
             self.ctx_obj = None
 
 
-def embed_texts(path: Any, texts: Sequence[str], *, n_ctx: int = 1024, n_threads: Optional[int] = None,
-                pooling: Optional[str] = None) -> Embeddings:
+def embed_texts(
+    path: Any, texts: Sequence[str], *, n_ctx: int = 1024, n_threads: Optional[int] = None, pooling: Optional[str] = None
+) -> Embeddings:
     """Load the GGUF at `path` and embed `texts` (each at most `n_ctx` tokens): what `edgellm embed` runs.
 
     Raises `InputTooLong`, `UsageError`, or the load's own errors (`ModelNotFound`, `InsufficientResources`).

@@ -16,16 +16,30 @@ thread governor (plain steps: seconds per token).
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import llama_cpp
 
 
 # long: the per-token loop stays in one frame with its callables bound to locals, the cheapest
 # Python there is per token; plain and verify steps share the sampling and stop checks
-def generate(ctx: Any, vocab: Any, batch: Any, kv: list[int], sampler: Any, text: Any, st: Any, *,
-             max_new: int, n_ctx: int, t0: float, cancel: Any = None, spec: Any = None,
-             governor: Any = None) -> Iterator[str]:
+def generate(
+    ctx: Any,
+    vocab: Any,
+    batch: Any,
+    kv: list[int],
+    sampler: Any,
+    text: Any,
+    st: Any,
+    *,
+    max_new: int,
+    n_ctx: int,
+    t0: float,
+    cancel: Any = None,
+    spec: Any = None,
+    governor: Any = None,
+) -> Iterator[str]:
     """Sample the reply after a decoded prompt; yields text pieces, fills `st` (a GenerationStats)."""
     sample, is_eog, push = sampler.sample, llama_cpp.llama_vocab_is_eog, text.push
     add, decode, clear = batch.add, batch.decode, batch.clear

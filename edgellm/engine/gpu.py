@@ -24,9 +24,10 @@ import ctypes
 import logging
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 from edgellm import units
 from edgellm.engine import backends
@@ -64,8 +65,10 @@ class GpuDevice:
         return f"{self.name} ({self.description})"
 
     def describe(self) -> str:
-        s = (f"{self.index}: {self.name} [{self.backend}, {self.kind}] {self.description}: "
-             f"{human_size(self.free_bytes)} free of {human_size(self.total_bytes)}")
+        s = (
+            f"{self.index}: {self.name} [{self.backend}, {self.kind}] {self.description}: "
+            f"{human_size(self.free_bytes)} free of {human_size(self.total_bytes)}"
+        )
         return s + (f" ({SOFTWARE_NOTE})" if self.software else "")
 
     def to_json(self) -> dict[str, Any]:
@@ -98,9 +101,12 @@ def _ggml() -> Optional[ctypes.CDLL]:
         return None
     vp, sz = ctypes.c_void_p, ctypes.c_size_t
     sigs = {
-        "ggml_backend_dev_count": ([], sz), "ggml_backend_dev_get": ([sz], vp),
-        "ggml_backend_dev_name": ([vp], ctypes.c_char_p), "ggml_backend_dev_description": ([vp], ctypes.c_char_p),
-        "ggml_backend_dev_type": ([vp], ctypes.c_int), "ggml_backend_dev_backend_reg": ([vp], vp),
+        "ggml_backend_dev_count": ([], sz),
+        "ggml_backend_dev_get": ([sz], vp),
+        "ggml_backend_dev_name": ([vp], ctypes.c_char_p),
+        "ggml_backend_dev_description": ([vp], ctypes.c_char_p),
+        "ggml_backend_dev_type": ([vp], ctypes.c_int),
+        "ggml_backend_dev_backend_reg": ([vp], vp),
         "ggml_backend_reg_name": ([vp], ctypes.c_char_p),
         "ggml_backend_dev_memory": ([vp, ctypes.POINTER(sz), ctypes.POINTER(sz)], None),
     }
@@ -146,8 +152,18 @@ def _enumerate(lib) -> list[GpuDevice]:
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         desc = (lib.ggml_backend_dev_description(dev) or b"").decode("utf-8", "replace")
-        out.append(GpuDevice(len(out), (lib.ggml_backend_dev_name(dev) or b"").decode("utf-8", "replace"), desc,
-                             backend, kind, int(total.value), int(free.value), is_software(desc)))
+        out.append(
+            GpuDevice(
+                len(out),
+                (lib.ggml_backend_dev_name(dev) or b"").decode("utf-8", "replace"),
+                desc,
+                backend,
+                kind,
+                int(total.value),
+                int(free.value),
+                is_software(desc),
+            )
+        )
     return out
 
 
@@ -156,7 +172,9 @@ def gpu_backends() -> list[str]:
     lib = _ggml()
     if lib is None:
         return []
-    names = [(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)) or b"").decode() for i in range(lib.ggml_backend_reg_count())]
+    names = [
+        (lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)) or b"").decode() for i in range(lib.ggml_backend_reg_count())
+    ]
     return [n for n in names if n.upper() not in ("CPU", "RPC", "BLAS", "")]
 
 
@@ -165,9 +183,12 @@ def no_device_reason() -> str:
         return "no GPU device: this llama.cpp build has no GPU backend (CPU-only; scripts/setup.sh --gpu ... builds one)"
     hint = ""
     if "GGML_VK_VISIBLE_DEVICES" not in os.environ and any(
-            any(Path(d).glob("lvp_icd*.json")) for d in ("/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d")):
-        hint = ("; Mesa's lavapipe (a software Vulkan device) is installed, which llama.cpp hides unless "
-                "GGML_VK_VISIBLE_DEVICES names it (e.g. GGML_VK_VISIBLE_DEVICES=0)")
+        any(Path(d).glob("lvp_icd*.json")) for d in ("/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d")
+    ):
+        hint = (
+            "; Mesa's lavapipe (a software Vulkan device) is installed, which llama.cpp hides unless "
+            "GGML_VK_VISIBLE_DEVICES names it (e.g. GGML_VK_VISIBLE_DEVICES=0)"
+        )
     return "no GPU device: llama.cpp's GPU backend sees no device" + hint
 
 
@@ -228,8 +249,13 @@ class LayerCosts:
         if k == 0:
             return 0
         blocks = k - 1
-        return (self.output_weights + self.output_copy + sum(self.block_weights[self.n_layers - blocks:])
-                + blocks * self.block_kv + self.compute_bytes)
+        return (
+            self.output_weights
+            + self.output_copy
+            + sum(self.block_weights[self.n_layers - blocks :])
+            + blocks * self.block_kv
+            + self.compute_bytes
+        )
 
     def host_bytes(self, n_gpu_layers: int) -> int:
         """Host bytes: the weights and KV cache not offloaded, and the host's compute buffer."""
@@ -302,14 +328,23 @@ class GpuPlan:
         if self.n_gpu_layers == 0:
             return f"GPU offload: none ({self.reason})"
         assert self.device is not None
-        return (f"GPU offload: {self.n_gpu_layers}/{self.max_layers} layers on {self.device.label}: "
-                f"{human_size(self.device_bytes)} on the device, {human_size(self.host_bytes)} on the host ({self.reason})")
+        return (
+            f"GPU offload: {self.n_gpu_layers}/{self.max_layers} layers on {self.device.label}: "
+            f"{human_size(self.device_bytes)} on the device, {human_size(self.host_bytes)} on the host ({self.reason})"
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"requested": self.requested, "n_gpu_layers": self.n_gpu_layers, "max_layers": self.max_layers,
-                "device": self.device.to_json() if self.device else None, "device_bytes": self.device_bytes,
-                "host_bytes": self.host_bytes, "budget_bytes": self.budget_bytes, "reason": self.reason,
-                "notes": list(self.notes)}
+        return {
+            "requested": self.requested,
+            "n_gpu_layers": self.n_gpu_layers,
+            "max_layers": self.max_layers,
+            "device": self.device.to_json() if self.device else None,
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+            "budget_bytes": self.budget_bytes,
+            "reason": self.reason,
+            "notes": list(self.notes),
+        }
 
 
 def parse_size(text: Optional[str]) -> Optional[int]:
@@ -338,8 +373,15 @@ def budget_for(device: GpuDevice, gpu_mem: Optional[int]) -> int:
 
 
 def plan_offload(
-    path: Path | str, info, request: Union[int, str, None], *, ctx: int, kv_type: str = "f16", n_ubatch: int = 512,
-    gpu_device: Union[str, int, None] = None, gpu_mem: Optional[int] = None,
+    path: Path | str,
+    info,
+    request: Union[int, str, None],
+    *,
+    ctx: int,
+    kv_type: str = "f16",
+    n_ubatch: int = 512,
+    gpu_device: Union[str, int, None] = None,
+    gpu_mem: Optional[int] = None,
     devices: Optional[Sequence[GpuDevice]] = None,
 ) -> GpuPlan:
     """Decide n_gpu_layers and the device for one load. Never raises for a missing device: the plan is 0 with a reason."""
@@ -367,8 +409,9 @@ def plan_offload(
         hw = [d for d in devs if not d.software]
         if not hw:
             soft = ", ".join(d.label for d in devs)
-            return none(f"the only GPU device is {soft}, {SOFTWARE_NOTE}; name it with --gpu-device to use it anyway",
-                        warn=kind != "auto")
+            return none(
+                f"the only GPU device is {soft}, {SOFTWARE_NOTE}; name it with --gpu-device to use it anyway", warn=kind != "auto"
+            )
         dev = max(hw, key=lambda d: d.free_bytes)
     order = _llama_order(devs)
     if dev not in order:
@@ -378,27 +421,49 @@ def plan_offload(
         k = max((k for k in range(max_layers + 1) if costs.device_bytes(k) <= budget), default=0)
         if k == 0:
             one = costs.device_bytes(1)
-            return none(f"one layer needs {human_size(one)} on {dev.name} (weights, KV cache and compute buffer), "
-                        f"more than the {human_size(budget)} it may use" + (" (--gpu-mem)" if gpu_mem is not None else ""),
-                        warn=False)
-        reason = (f"auto: all that fit in {human_size(budget)}" if k == max_layers else
-                  f"auto: the most that fit in {human_size(budget)}")
+            return none(
+                f"one layer needs {human_size(one)} on {dev.name} (weights, KV cache and compute buffer), "
+                f"more than the {human_size(budget)} it may use" + (" (--gpu-mem)" if gpu_mem is not None else ""),
+                warn=False,
+            )
+        reason = (
+            f"auto: all that fit in {human_size(budget)}"
+            if k == max_layers
+            else f"auto: the most that fit in {human_size(budget)}"
+        )
     else:
         k = max_layers if kind == "all" else int(n or 0)
         reason = "all layers" if kind == "all" else f"--gpu-layers {k}"
         if k > max_layers:
-            notes.append(f"--gpu-layers {k} is more than the model's {max_layers} layers "
-                         f"({costs.n_layers} blocks + output); offloading all {max_layers}")
+            notes.append(
+                f"--gpu-layers {k} is more than the model's {max_layers} layers "
+                f"({costs.n_layers} blocks + output); offloading all {max_layers}"
+            )
             k = max_layers
             reason = "all layers"
         if costs.device_bytes(k) > budget:
-            notes.append(f"{k} layers need ~{human_size(costs.device_bytes(k))} on {dev.name}, more than the "
-                         f"{human_size(budget)} it may use; if allocation fails edgellm falls back to the CPU")
-    return GpuPlan(kind, k, max_layers, dev, costs.device_bytes(k), costs.host_bytes(k), budget,
-                   reason, notes, len(devs), order.index(dev))
+            notes.append(
+                f"{k} layers need ~{human_size(costs.device_bytes(k))} on {dev.name}, more than the "
+                f"{human_size(budget)} it may use; if allocation fails edgellm falls back to the CPU"
+            )
+    return GpuPlan(
+        kind, k, max_layers, dev, costs.device_bytes(k), costs.host_bytes(k), budget, reason, notes, len(devs), order.index(dev)
+    )
 
 
 __all__ = [
-    "GpuDevice", "GpuPlan", "LayerCosts", "list_devices", "gpu_backends", "no_device_reason", "device_lines", "find_device",
-    "plan_offload", "layer_costs", "parse_size", "is_software", "SOFTWARE_NOTE", "budget_for",
+    "GpuDevice",
+    "GpuPlan",
+    "LayerCosts",
+    "list_devices",
+    "gpu_backends",
+    "no_device_reason",
+    "device_lines",
+    "find_device",
+    "plan_offload",
+    "layer_costs",
+    "parse_size",
+    "is_software",
+    "SOFTWARE_NOTE",
+    "budget_for",
 ]

@@ -46,16 +46,23 @@ def split_bytes(log_text: str) -> tuple[int, int]:
     return dev, host
 
 
-
-
 def allocation_report(plan: Optional[GpuPlan], log_text: str, n_gpu_layers: int) -> dict[str, Any]:
     """For --json and the TUI: the plan beside llama.cpp's own figures."""
     parsed = parse_buffers(log_text)
     dev, host = split_bytes(log_text)
     off = parsed["offloaded"]
-    return {"n_gpu_layers": n_gpu_layers, "plan": plan.to_json() if plan else None,
-            "allocated": {"device_bytes": dev, "host_bytes": host, "buffers": parsed["buffers"],
-                          "offloaded_layers": off[0] if off else None, "max_layers": off[1] if off else None}}
+    return {
+        "n_gpu_layers": n_gpu_layers,
+        "plan": plan.to_json() if plan else None,
+        "allocated": {
+            "device_bytes": dev,
+            "host_bytes": host,
+            "buffers": parsed["buffers"],
+            "offloaded_layers": off[0] if off else None,
+            "max_layers": off[1] if off else None,
+        },
+    }
+
 
 # -- loading with the plan, and the CPU fallback ------------------------------------
 
@@ -96,8 +103,7 @@ def _load_logged(llama_cpp, kw: dict[str, Any], *, verbose: bool, quiet):
     return llm, text
 
 
-def load_llama(kw: dict[str, Any], plan: Optional[GpuPlan], *, name: str, quiet=None, verbose: bool = False,
-               warn=log.warning):
+def load_llama(kw: dict[str, Any], plan: Optional[GpuPlan], *, name: str, quiet=None, verbose: bool = False, warn=log.warning):
     """Load with the plan; when the device fails (allocation refused, device lost, context not created)
     warn once and load again on the CPU. Returns (llm, llama.cpp's load log, the plan that ran).
     `quiet(enabled=)` silences native stderr (runtime.silence_native_stderr; passed in, runtime imports this module)."""
@@ -116,8 +122,18 @@ def load_llama(kw: dict[str, Any], plan: Optional[GpuPlan], *, name: str, quiet=
     where = plan.device.label if plan.device is not None else "the GPU"
     msg = f"GPU offload to {where} failed ({reason}); loading on the CPU"
     warn(msg)
-    plan = GpuPlan(plan.requested, 0, plan.max_layers, None, 0, plan.host_bytes + plan.device_bytes, None,
-                   f"fallback: {msg}", plan.notes + [msg], plan._device_count)
+    plan = GpuPlan(
+        plan.requested,
+        0,
+        plan.max_layers,
+        None,
+        0,
+        plan.host_bytes + plan.device_bytes,
+        None,
+        f"fallback: {msg}",
+        plan.notes + [msg],
+        plan._device_count,
+    )
     kw = {**kw, **plan.llama_kwargs()}
     try:
         llm, text = _load_logged(llama_cpp, kw, verbose=verbose, quiet=quiet)

@@ -76,7 +76,10 @@ def gpu_backends() -> dict[str, Any]:
     """GPU backends compiled in and the devices ggml sees."""
     import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
 
-    from edgellm.engine.gpu import list_devices, no_device_reason  # gpu imports memory, which imports this module for the CPU features
+    from edgellm.engine.gpu import (
+        list_devices,
+        no_device_reason,
+    )  # gpu imports memory, which imports this module for the CPU features
 
     result: dict[str, Any] = {"offload_supported": bool(llama_cpp.llama_supports_gpu_offload()), "devices": []}
     # name, backend, memory, and "software: no speed-up expected" for llvmpipe/SwiftShader (edgellm.engine.gpu)
@@ -84,9 +87,10 @@ def gpu_backends() -> dict[str, Any]:
     if not result["devices"]:
         result["note"] = no_device_reason()
     text = _system_info()["raw"]
-    result["backends"] = sorted({b for b in ("CUDA", "METAL", "VULKAN", "SYCL", "HIP", "MUSA", "OPENCL") if b in text.upper()} | {
-        d["name"].rstrip("0123456789").upper() for d in result["devices"] if d["name"].upper() not in ("CPU",)
-    })
+    result["backends"] = sorted(
+        {b for b in ("CUDA", "METAL", "VULKAN", "SYCL", "HIP", "MUSA", "OPENCL") if b in text.upper()}
+        | {d["name"].rstrip("0123456789").upper() for d in result["devices"] if d["name"].upper() not in ("CPU",)}
+    )
     return result
 
 
@@ -119,8 +123,14 @@ class SelfTestResult:
         return asdict(self)
 
 
-def self_test(model_path: Optional[Path], *, n_tokens: int = 8, timeout: float = 180.0, threads: Optional[int] = None,
-              env: Optional[dict[str, str]] = None) -> SelfTestResult:
+def self_test(
+    model_path: Optional[Path],
+    *,
+    n_tokens: int = 8,
+    timeout: float = 180.0,
+    threads: Optional[int] = None,
+    env: Optional[dict[str, str]] = None,
+) -> SelfTestResult:
     """Load `model_path` and generate `n_tokens` in a child process."""
     if model_path is None:
         return SelfTestResult(False, message="no model to test with: run `edgellm pull` first")
@@ -128,20 +138,33 @@ def self_test(model_path: Optional[Path], *, n_tokens: int = 8, timeout: float =
     if threads:
         cmd += ["--threads", str(threads)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                              preexec_fn=_no_core_dumps if os.name == "posix" else None)
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            preexec_fn=_no_core_dumps if os.name == "posix" else None,
+        )
     except subprocess.TimeoutExpired:
         return SelfTestResult(False, model=str(model_path), message=f"self-test timed out after {timeout:.0f} s")
     if proc.returncode < 0:
         sig = signal.Signals(-proc.returncode).name
         hint = SIGNAL_HINTS.get(sig, "llama.cpp crashed")
-        return SelfTestResult(False, model=str(model_path), signal=sig, returncode=proc.returncode, message=f"{sig} in llama.cpp: {hint}")
+        return SelfTestResult(
+            False, model=str(model_path), signal=sig, returncode=proc.returncode, message=f"{sig} in llama.cpp: {hint}"
+        )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return SelfTestResult(False, model=str(model_path), returncode=proc.returncode, message=f"self-test failed: {last[:200]}")
     data = json.loads(lines[-1])
-    return SelfTestResult(True, model=str(model_path), returncode=0, **{k: v for k, v in data.items() if k in ("tokens", "seconds", "tokens_per_second", "text")})
+    return SelfTestResult(
+        True,
+        model=str(model_path),
+        returncode=0,
+        **{k: v for k, v in data.items() if k in ("tokens", "seconds", "tokens_per_second", "text")},
+    )
 
 
 def _no_core_dumps() -> None:
@@ -197,7 +220,9 @@ def doctor(*, model_path: Optional[Path] = None, run_self_test: bool = True) -> 
     if missing:
         warnings.append(f"the CPU has {', '.join(missing)} but this build does not use them (slower than it could be)")
     if unsupported:
-        warnings.append(f"this build uses {', '.join(unsupported)}, which this CPU/OS does not expose: it will crash; rerun scripts/setup.sh")
+        warnings.append(
+            f"this build uses {', '.join(unsupported)}, which this CPU/OS does not expose: it will crash; rerun scripts/setup.sh"
+        )
     mem = memory()
     st = self_test(model_path) if run_self_test else SelfTestResult(False, message="skipped")
     home = paths.home()

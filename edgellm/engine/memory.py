@@ -32,8 +32,9 @@ tests/test_memory.py holds it to within 10% of a measured chat process.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 from edgellm.errors import InsufficientResources
 from edgellm.fsutil import human_size
@@ -46,8 +47,16 @@ MiB = 1 << 20
 PROCESS_BYTES = 96 * MiB
 
 # Bytes per K/V element for each cache type (ggml block bytes / elements per block).
-KV_BYTES_PER_ELEM = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
-                     "q4_1": 20 / 32, "q4_0": 18 / 32}
+KV_BYTES_PER_ELEM = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q5_1": 24 / 32,
+    "q5_0": 22 / 32,
+    "q4_1": 20 / 32,
+    "q4_0": 18 / 32,
+}
 
 
 # What the pinned llama.cpp's CPU backend repacks (ggml-cpu/repack.cpp,
@@ -87,15 +96,23 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         repacked = f" + repacked copy {human_size(self.repacked_bytes)}" if self.repacked_bytes else ""
-        return (f"needs ~{human_size(self.total_bytes)} at ctx {self.ctx} (weights {human_size(self.weights_bytes)}{repacked}"
-                f" + KV cache {human_size(self.kv_bytes)} {self.kv_type} + compute {human_size(self.compute_bytes)}"
-                f" + process {human_size(self.process_bytes)})")
+        return (
+            f"needs ~{human_size(self.total_bytes)} at ctx {self.ctx} (weights {human_size(self.weights_bytes)}{repacked}"
+            f" + KV cache {human_size(self.kv_bytes)} {self.kv_type} + compute {human_size(self.compute_bytes)}"
+            f" + process {human_size(self.process_bytes)})"
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"total_bytes": self.total_bytes, "weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes,
-                "compute_bytes": self.compute_bytes, "process_bytes": self.process_bytes,
-                "repacked_bytes": self.repacked_bytes, "ctx": self.ctx,
-                "kv_type": self.kv_type}
+        return {
+            "total_bytes": self.total_bytes,
+            "weights_bytes": self.weights_bytes,
+            "kv_bytes": self.kv_bytes,
+            "compute_bytes": self.compute_bytes,
+            "process_bytes": self.process_bytes,
+            "repacked_bytes": self.repacked_bytes,
+            "ctx": self.ctx,
+            "kv_type": self.kv_type,
+        }
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_type: str = "f16") -> int:
@@ -106,8 +123,14 @@ def kv_bytes_per_token(shape: ModelShape, kv_type: str = "f16") -> int:
     return int(2 * shape.block_count * n_kv * head_dim * KV_BYTES_PER_ELEM.get(kv_type, 2.0))
 
 
-def estimate(shape: ModelShape, *, ctx: int = DEFAULT_CTX, kv_type: str = "f16",
-             n_ubatch: int = DEFAULT_UBATCH, features: Optional[Sequence[str]] = None) -> MemoryEstimate:
+def estimate(
+    shape: ModelShape,
+    *,
+    ctx: int = DEFAULT_CTX,
+    kv_type: str = "f16",
+    n_ubatch: int = DEFAULT_UBATCH,
+    features: Optional[Sequence[str]] = None,
+) -> MemoryEstimate:
     """Peak memory of one process holding this model at `ctx` with a `kv_type` cache
     (`features`: the CPU's, llama.cpp spelling; this machine's when None)."""
     ub = max(1, min(n_ubatch, ctx))
@@ -151,9 +174,15 @@ class Shape:
     vocab_size: int
 
     @classmethod
-    def of(cls, shape: ModelShape, *, tensor_bytes: Optional[int] = None) -> "Shape":
-        return cls(shape.tensor_bytes if tensor_bytes is None else tensor_bytes, shape.block_count,
-                   shape.embedding_length, shape.head_count, shape.head_count_kv, shape.vocab_size)
+    def of(cls, shape: ModelShape, *, tensor_bytes: Optional[int] = None) -> Shape:
+        return cls(
+            shape.tensor_bytes if tensor_bytes is None else tensor_bytes,
+            shape.block_count,
+            shape.embedding_length,
+            shape.head_count,
+            shape.head_count_kv,
+            shape.vocab_size,
+        )
 
 
 # What the estimate reads: a GGUF header, or a Shape of plain numbers.
@@ -205,8 +234,7 @@ def fit_mark(need: int, ram: int) -> str:
     return "~" if need <= ram else "✗"
 
 
-def check_fits(est: MemoryEstimate, what: str, *, force: bool = False, available: Optional[int] = None,
-               warn=None) -> None:
+def check_fits(est: MemoryEstimate, what: str, *, force: bool = False, available: Optional[int] = None, warn=None) -> None:
     """Refuse a load that would not fit in RAM, unless forced.
 
     mmap would let such a model start, then page weights in and out of disk

@@ -11,7 +11,7 @@ import io
 import os
 import sys
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 
 class _Captured:
@@ -61,7 +61,12 @@ def silence_native_stderr(*, enabled: bool = True) -> Iterator[None]:
     replacement = None
     try:
         if uses_fd2:
-            replacement = io.TextIOWrapper(io.FileIO(os.dup(saved), "w"), encoding=getattr(old_stderr, "encoding", None) or "utf-8", errors="replace", line_buffering=True)
+            replacement = io.TextIOWrapper(
+                io.FileIO(os.dup(saved), "w"),
+                encoding=getattr(old_stderr, "encoding", None) or "utf-8",
+                errors="replace",
+                line_buffering=True,
+            )
             sys.stderr = replacement
         os.dup2(devnull, 2)
         yield

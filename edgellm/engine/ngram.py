@@ -25,7 +25,7 @@ table does.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 SEP = -1  # between documents: matches neither a token nor the bigram index
 _CANDIDATES = 12  # most recent occurrences of the bigram that are extended; older ones rarely match longer

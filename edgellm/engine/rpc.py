@@ -29,16 +29,12 @@ from __future__ import annotations
 import re
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from edgellm.engine.memory import (
-    PROCESS_BYTES,
-    available_ram,
-    estimate,
-    kv_bytes_per_token,
-)
+from edgellm.engine.memory import PROCESS_BYTES, available_ram, estimate, kv_bytes_per_token
 from edgellm.errors import EdgeLLMError, InsufficientResources, UsageError
 from edgellm.fsutil import human_size
 from edgellm.gguf.layout import read_tensors
@@ -119,7 +115,9 @@ def local_version() -> tuple[int, int, int]:
         parts = [re.search(rf"#define\s+RPC_PROTO_{k}_VERSION\s+(\d+)", text) for k in ("MAJOR", "MINOR", "PATCH")]
         if all(parts):
             return tuple(int(m.group(1)) for m in parts)  # type: ignore[return-value,union-attr]
-    raise RpcError("this llama-cpp-python install has no ggml-rpc.h: its RPC protocol version is unknown; rebuild with scripts/setup.sh")
+    raise RpcError(
+        "this llama-cpp-python install has no ggml-rpc.h: its RPC protocol version is unknown; rebuild with scripts/setup.sh"
+    )
 
 
 def compatible(remote: tuple[int, int, int], local: tuple[int, int, int]) -> bool:
@@ -160,7 +158,7 @@ def probe(ep: Endpoint, *, timeout: float = PROBE_TIMEOUT, local: Optional[tuple
         raise RpcError(f"RPC worker {ep}: cannot resolve host {ep.host!r}") from None
     except ConnectionRefusedError:
         raise RpcError(f"RPC worker {ep}: connection refused (is `edgellm worker --port {ep.port}` running there?)") from None
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         raise RpcError(f"RPC worker {ep}: no answer within {timeout:g} s (host down or port filtered)") from None
     except OSError as e:
         raise RpcError(f"RPC worker {ep}: cannot connect ({e.strerror or e})") from None
@@ -173,19 +171,25 @@ def probe(ep: Endpoint, *, timeout: float = PROBE_TIMEOUT, local: Optional[tuple
                 kind = "SSH" if head[:4] == b"SSH-" else "HTTP"
                 raise RpcError(f"RPC worker {ep}: that port speaks {kind}, not llama.cpp RPC (wrong port?)")
             if len(head) < 8:
-                raise RpcError(f"RPC worker {ep}: closed the connection at the RPC hello: not a llama.cpp RPC worker, "
-                               f"or one from an incompatible build (this one speaks protocol {'.'.join(map(str, local))})")
+                raise RpcError(
+                    f"RPC worker {ep}: closed the connection at the RPC hello: not a llama.cpp RPC worker, "
+                    f"or one from an incompatible build (this one speaks protocol {'.'.join(map(str, local))})"
+                )
             (size,) = struct.unpack("<Q", head)
             if size != HELLO_REPLY_SIZE:
-                raise RpcError(f"RPC worker {ep}: answered the RPC hello with {size} bytes, not {HELLO_REPLY_SIZE}: "
-                               f"not a llama.cpp RPC worker of protocol {local[0]}.x")
+                raise RpcError(
+                    f"RPC worker {ep}: answered the RPC hello with {size} bytes, not {HELLO_REPLY_SIZE}: "
+                    f"not a llama.cpp RPC worker of protocol {local[0]}.x"
+                )
             body = _recv_exact(sock, HELLO_REPLY_SIZE)
             if len(body) < HELLO_REPLY_SIZE:
                 raise RpcError(f"RPC worker {ep}: closed the connection in the middle of the RPC hello")
             version = (body[0], body[1], body[2])
             if not compatible(version, local):
-                raise RpcError(f"RPC worker {ep} speaks RPC protocol {'.'.join(map(str, version))}, this build speaks "
-                               f"{'.'.join(map(str, local))}: run the same edgellm/llama.cpp version on both sides")
+                raise RpcError(
+                    f"RPC worker {ep} speaks RPC protocol {'.'.join(map(str, version))}, this build speaks "
+                    f"{'.'.join(map(str, local))}: run the same edgellm/llama.cpp version on both sides"
+                )
             (count,) = struct.unpack("<I", _call(sock, CMD_DEVICE_COUNT, b"", 4))
             if not 0 < count <= 64:
                 raise RpcError(f"RPC worker {ep} reports {count} devices")
@@ -193,11 +197,13 @@ def probe(ep: Endpoint, *, timeout: float = PROBE_TIMEOUT, local: Optional[tuple
             for i in range(count):
                 free, total = struct.unpack("<QQ", _call(sock, CMD_GET_DEVICE_MEMORY, struct.pack("<I", i), 16))
                 devices.append((int(free), int(total)))
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             if _speaks_http(ep, min(timeout, 2.0)):
                 raise RpcError(f"RPC worker {ep}: that port speaks HTTP, not llama.cpp RPC (wrong port?)") from None
-            raise RpcError(f"RPC worker {ep}: accepted the connection but did not answer the RPC hello within {timeout:g} s "
-                           "(a worker serves one host at a time: is another host using it?)") from None
+            raise RpcError(
+                f"RPC worker {ep}: accepted the connection but did not answer the RPC hello within {timeout:g} s "
+                "(a worker serves one host at a time: is another host using it?)"
+            ) from None
         except ConnectionAbortedError:
             raise RpcError(f"RPC worker {ep}: closed the connection during the hello") from None
         except ValueError as e:
@@ -222,8 +228,9 @@ def _speaks_http(ep: Endpoint, timeout: float) -> bool:
         return False
 
 
-def probe_all(endpoints: Sequence[Endpoint], *, timeout: float = PROBE_TIMEOUT,
-              known: Optional[dict[Endpoint, WorkerInfo]] = None) -> list[WorkerInfo]:
+def probe_all(
+    endpoints: Sequence[Endpoint], *, timeout: float = PROBE_TIMEOUT, known: Optional[dict[Endpoint, WorkerInfo]] = None
+) -> list[WorkerInfo]:
     """Probe each worker; `known` ones (this process already holds their connection, so a new one
     would wait behind it in the worker's accept queue) are taken as they were."""
     local = local_version()
@@ -254,9 +261,18 @@ class DevicePlan:
         return self.weights_bytes + self.kv_bytes + self.other_bytes
 
     def to_json(self) -> dict[str, Any]:
-        return {"device": self.name, "where": self.where, "layers": list(self.layers), "n_layers": self.n_layers,
-                "output_layer": self.has_output, "bytes": self.total_bytes, "weights_bytes": self.weights_bytes,
-                "kv_bytes": self.kv_bytes, "other_bytes": self.other_bytes, "memory_bytes": self.memory_bytes}
+        return {
+            "device": self.name,
+            "where": self.where,
+            "layers": list(self.layers),
+            "n_layers": self.n_layers,
+            "output_layer": self.has_output,
+            "bytes": self.total_bytes,
+            "weights_bytes": self.weights_bytes,
+            "kv_bytes": self.kv_bytes,
+            "other_bytes": self.other_bytes,
+            "memory_bytes": self.memory_bytes,
+        }
 
 
 @dataclass
@@ -280,15 +296,28 @@ class Plan:
         out = [f"plan: {self.n_layer} layers + output over {len(self.devices)} devices (by {self.by}):"]
         for d in self.devices:
             span = f"layers {d.layers[0]}-{d.layers[1] - 1}" if d.n_layers else "no layers"
-            out.append(f"  {d.name:<6} {d.where:<22} {span:<14}{' + output' if d.has_output else '':<9} "
-                       f"{human_size(d.total_bytes):>10} of {human_size(d.memory_bytes)} offered")
+            out.append(
+                f"  {d.name:<6} {d.where:<22} {span:<14}{' + output' if d.has_output else '':<9} "
+                f"{human_size(d.total_bytes):>10} of {human_size(d.memory_bytes)} offered"
+            )
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"n_layer": self.n_layer, "by": self.by, "n_gpu_layers": self.n_gpu_layers, "tensor_split": self.tensor_split,
-                "devices": [d.to_json() for d in self.devices],
-                "workers": [{"endpoint": str(w.endpoint), "version": ".".join(map(str, w.version)),
-                             "devices": [{"free": f, "total": t} for f, t in w.devices]} for w in self.workers]}
+        return {
+            "n_layer": self.n_layer,
+            "by": self.by,
+            "n_gpu_layers": self.n_gpu_layers,
+            "tensor_split": self.tensor_split,
+            "devices": [d.to_json() for d in self.devices],
+            "workers": [
+                {
+                    "endpoint": str(w.endpoint),
+                    "version": ".".join(map(str, w.version)),
+                    "devices": [{"free": f, "total": t} for f, t in w.devices],
+                }
+                for w in self.workers
+            ],
+        }
 
 
 def parse_split(text: Optional[str], n_devices: int) -> Optional[list[float]]:
@@ -317,8 +346,17 @@ def _shares(weights: Sequence[float], n: int) -> list[int]:
     return counts
 
 
-def plan(path: Path | str, workers: Sequence[WorkerInfo], *, local_memory: int, n_ctx: int, kv_type: str = "f16",
-         n_ubatch: int = 512, split: Optional[Sequence[float]] = None, force: bool = False) -> Plan:
+def plan(
+    path: Path | str,
+    workers: Sequence[WorkerInfo],
+    *,
+    local_memory: int,
+    n_ctx: int,
+    kv_type: str = "f16",
+    n_ubatch: int = 512,
+    split: Optional[Sequence[float]] = None,
+    force: bool = False,
+) -> Plan:
     """Where each layer goes, and how many bytes that puts on each device."""
 
     info = read_gguf(path)
@@ -375,14 +413,25 @@ def plan(path: Path | str, workers: Sequence[WorkerInfo], *, local_memory: int, 
     for d in devices:
         if d.total_bytes > d.memory_bytes and not (force and d.name == "local"):
             fix = "use --force" if d.name == "local" else "give that worker more --mem, add a worker or change --split"
-            raise InsufficientResources(f"the plan puts {human_size(d.total_bytes)} on {d.where} ({d.name}) but it offers "
-                                        f"{human_size(d.memory_bytes)}; {fix}, or use a smaller level or --ctx")
+            raise InsufficientResources(
+                f"the plan puts {human_size(d.total_bytes)} on {d.where} ({d.name}) but it offers "
+                f"{human_size(d.memory_bytes)}; {fix}, or use a smaller level or --ctx"
+            )
     return result
 
 
-def prepare(path: Path | str, endpoints: Sequence[str] | str, *, n_ctx: int, kv_type: str = "f16", n_ubatch: int = 512,
-            split: Optional[str] = None, force: bool = False, timeout: float = PROBE_TIMEOUT,
-            known: Optional[dict[Endpoint, WorkerInfo]] = None) -> Plan:
+def prepare(
+    path: Path | str,
+    endpoints: Sequence[str] | str,
+    *,
+    n_ctx: int,
+    kv_type: str = "f16",
+    n_ubatch: int = 512,
+    split: Optional[str] = None,
+    force: bool = False,
+    timeout: float = PROBE_TIMEOUT,
+    known: Optional[dict[Endpoint, WorkerInfo]] = None,
+) -> Plan:
     """Parse, reach and check every worker, then plan the split: everything before llama.cpp sees them."""
 
     eps = parse_endpoints(endpoints)
@@ -390,9 +439,31 @@ def prepare(path: Path | str, endpoints: Sequence[str] | str, *, n_ctx: int, kv_
         raise UsageError("--rpc: no workers given")
     workers = probe_all(eps, timeout=timeout, known=known)
     n_dev = 1 + sum(len(w.devices) for w in workers)
-    return plan(path, workers, local_memory=available_ram(), n_ctx=n_ctx, kv_type=kv_type, n_ubatch=n_ubatch,
-                split=parse_split(split, n_dev), force=force)
+    return plan(
+        path,
+        workers,
+        local_memory=available_ram(),
+        n_ctx=n_ctx,
+        kv_type=kv_type,
+        n_ubatch=n_ubatch,
+        split=parse_split(split, n_dev),
+        force=force,
+    )
 
 
-__all__ = ["Endpoint", "WorkerInfo", "Plan", "DevicePlan", "RpcError", "parse_endpoints", "parse_split", "probe",
-           "probe_all", "plan", "prepare", "local_version", "compatible", "DEFAULT_PORT"]
+__all__ = [
+    "Endpoint",
+    "WorkerInfo",
+    "Plan",
+    "DevicePlan",
+    "RpcError",
+    "parse_endpoints",
+    "parse_split",
+    "probe",
+    "probe_all",
+    "plan",
+    "prepare",
+    "local_version",
+    "compatible",
+    "DEFAULT_PORT",
+]

@@ -15,7 +15,8 @@ worker: it must be dropped, never freed (freeing talks to that worker again).
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, Optional, TypeVar
 
 from edgellm.engine import rpc_native
 from edgellm.errors import RuntimeFailure

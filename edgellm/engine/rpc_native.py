@@ -37,8 +37,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Optional
 
 from edgellm.engine import backends
 from edgellm.engine.rpc import Endpoint, RpcError, prepare
@@ -67,7 +68,9 @@ def _load(name: str) -> ctypes.CDLL:
     if not path.exists():
         path = _lib_dir() / name
     if not path.exists():
-        raise RpcError(f"this llama-cpp-python build has no RPC backend ({name} is missing): rebuild with scripts/setup.sh (GGML_RPC=ON)")
+        raise RpcError(
+            f"this llama-cpp-python build has no RPC backend ({name} is missing): rebuild with scripts/setup.sh (GGML_RPC=ON)"
+        )
     return ctypes.CDLL(str(path))
 
 
@@ -248,7 +251,11 @@ def install_abort_handler(mode: str) -> None:
             except Exception:  # never raise out of a C callback
                 lost = []
             who = ", ".join(map(str, lost)) or "(one of " + ", ".join(map(str, _state["endpoints"])) + ")"
-            msg = f"RPC worker {who} went away during a generation ({reason})" if ("RPC" in text or lost) else f"llama.cpp aborted: {reason}"
+            msg = (
+                f"RPC worker {who} went away during a generation ({reason})"
+                if ("RPC" in text or lost)
+                else f"llama.cpp aborted: {reason}"
+            )
             if _state["mode"] == "park":
                 _state["lost"].update(lost)
                 for fn in list(_state["listeners"]):
@@ -304,20 +311,40 @@ def run_worker(host: str, port: int, *, threads: int, mem_bytes: Optional[int], 
     dev, _desc = cpu_device()
     offer_memory(dev, mem_bytes)
     devs = (ctypes.c_void_p * 1)(dev)
-    rpc.ggml_backend_rpc_start_server(f"{host}:{port}".encode(), str(cache_dir).encode() if cache_dir else None,
-                                      threads, 1, devs)
+    rpc.ggml_backend_rpc_start_server(f"{host}:{port}".encode(), str(cache_dir).encode() if cache_dir else None, threads, 1, devs)
 
 
-__all__ = ["plan_for", "loading", "apply_to_params", "compiled_in", "add_servers", "model_devices", "harden_sockets", "lost_endpoints",
-           "on_worker_lost", "install_abort_handler", "cpu_device", "offer_memory", "run_worker"]
+__all__ = [
+    "plan_for",
+    "loading",
+    "apply_to_params",
+    "compiled_in",
+    "add_servers",
+    "model_devices",
+    "harden_sockets",
+    "lost_endpoints",
+    "on_worker_lost",
+    "install_abort_handler",
+    "cpu_device",
+    "offer_memory",
+    "run_worker",
+]
 
 
 def plan_for(path: Path | str, options: Any) -> Any:
     """The split plan for a `RuntimeOptions` with `rpc` set (probes the workers)."""
 
     known = {ep: info for ep, info in _state["infos"].items() if connected(ep) and ep not in _state["lost"]}
-    return prepare(path, options.rpc, n_ctx=options.n_ctx, kv_type=options.kv_type, n_ubatch=options.n_ubatch,
-                   split=options.rpc_split, force=options.force, known=known)
+    return prepare(
+        path,
+        options.rpc,
+        n_ctx=options.n_ctx,
+        kv_type=options.kv_type,
+        n_ubatch=options.n_ubatch,
+        split=options.rpc_split,
+        force=options.force,
+        known=known,
+    )
 
 
 @contextlib.contextmanager
@@ -327,7 +354,9 @@ def loading(plan: Any, kw: dict[str, Any]) -> Iterator[None]:
     devices = add_servers([w.endpoint for w in plan.workers])
     with _lock:
         _state["infos"].update({w.endpoint: w for w in plan.workers})
-    kw.update(n_gpu_layers=plan.n_gpu_layers, tensor_split=plan.tensor_split, split_mode=1, main_gpu=0)  # 1: LLAMA_SPLIT_MODE_LAYER
+    kw.update(
+        n_gpu_layers=plan.n_gpu_layers, tensor_split=plan.tensor_split, split_mode=1, main_gpu=0
+    )  # 1: LLAMA_SPLIT_MODE_LAYER
     with model_devices(devices):
         yield
     harden_sockets([w.endpoint for w in plan.workers])

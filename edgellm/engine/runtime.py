@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 from edgellm.engine import backends, hardware
 from edgellm.engine.gpu_load import allocation_report, load_llama
@@ -197,8 +197,16 @@ class Runtime:
         if self.info is not None and not opts.rpc:  # with --rpc the RPC plan places the layers
             from edgellm.engine.gpu import plan_offload
 
-            self.gpu_plan = plan_offload(self.path, self.info, opts.n_gpu_layers, ctx=opts.n_ctx, kv_type=opts.kv_type,
-                                         n_ubatch=kw["n_ubatch"], gpu_device=opts.gpu_device, gpu_mem=opts.gpu_mem)
+            self.gpu_plan = plan_offload(
+                self.path,
+                self.info,
+                opts.n_gpu_layers,
+                ctx=opts.n_ctx,
+                kv_type=opts.kv_type,
+                n_ubatch=kw["n_ubatch"],
+                gpu_device=opts.gpu_device,
+                gpu_mem=opts.gpu_mem,
+            )
             for note in self.gpu_plan.notes:
                 (warn or log.warning)(note)
             if on_plan is not None:
@@ -212,13 +220,19 @@ class Runtime:
 
             self.rpc_plan = rpc_plan or rpc_native.plan_for(self.path, opts)
         with rpc_native.loading(self.rpc_plan, kw) if self.rpc_plan is not None else contextlib.nullcontext():
-            self.llm, self.load_log, self.gpu_plan = load_llama(kw, self.gpu_plan, name=self.path.name, quiet=silence_native_stderr, verbose=opts.verbose,
-                                                                warn=warn or log.warning)
+            self.llm, self.load_log, self.gpu_plan = load_llama(
+                kw,
+                self.gpu_plan,
+                name=self.path.name,
+                quiet=silence_native_stderr,
+                verbose=opts.verbose,
+                warn=warn or log.warning,
+            )
         self.n_gpu_layers = self.gpu_plan.n_gpu_layers if self.gpu_plan is not None else kw["n_gpu_layers"]
         self.load_seconds = time.perf_counter() - t0
         self.n_threads = n_threads
         self.threads_pinned = opts.n_threads is not None
-        self.draft_runtime: Optional["Runtime"] = None  # attach_draft
+        self.draft_runtime: Optional[Runtime] = None  # attach_draft
         self._governor: Any = None
         self.verify_cost: Any = None  # this machine's verify-step cost (engine.speculative.VerifyCost), learned across replies
         self._spec_memory: list[list[int]] = []  # earlier replies' tokens, drafted from like the prompt
@@ -295,9 +309,7 @@ class Runtime:
 
     def check_grammar(self, gbnf: str) -> None:
         """Parse a GBNF grammar with llama.cpp's parser; a bad one → one-line UsageError."""
-        from edgellm.engine.decode import (
-            check_grammar,  # lazy: loads jinja2, llama_cpp, numpy
-        )
+        from edgellm.engine.decode import check_grammar  # lazy: loads jinja2, llama_cpp, numpy
 
         check_grammar(self.llm._model.vocab, gbnf)
 
@@ -394,8 +406,21 @@ class Runtime:
                 st.stop_reason = "cancelled"
                 return
             kv.extend(prompt[keep:])
-            yield from generate(ctx, vocab, batch, kv, sampler, text, st, max_new=max_new, n_ctx=n_ctx, t0=t0,
-                                cancel=cancel, spec=spec, governor=governor)
+            yield from generate(
+                ctx,
+                vocab,
+                batch,
+                kv,
+                sampler,
+                text,
+                st,
+                max_new=max_new,
+                n_ctx=n_ctx,
+                t0=t0,
+                cancel=cancel,
+                spec=spec,
+                governor=governor,
+            )
         finally:
             sampler.close()
             now = time.perf_counter()
@@ -404,7 +429,7 @@ class Runtime:
             else:
                 st.prompt_seconds = now - t0
             if spec is not None:
-                self._remember(kv[len(prompt):])
+                self._remember(kv[len(prompt) :])
                 self._draft_prior[st.draft] = (spec.policy.hits, spec.policy.misses)
         tail = text.flush()
         if tail:
@@ -412,7 +437,7 @@ class Runtime:
 
     # -- speculative decoding and threads ------------------------------------
 
-    def attach_draft(self, draft: Optional["Runtime"]) -> None:
+    def attach_draft(self, draft: Optional[Runtime]) -> None:
         """Use `draft` (same vocabulary, else DraftMismatch naming what differs) for `SamplingParams(draft="model")`."""
         if draft is not None:
             from edgellm.engine.speculative import check_compatible
@@ -437,8 +462,9 @@ class Runtime:
         else:
             drafter = NgramDrafter()
         drafter.reset(prompt, self._spec_memory)
-        return Speculator(drafter, draft_max=s.draft_max or DEFAULT_DRAFT_MAX, cost=self.verify_cost,
-                          prior=self._draft_prior.get(mode))
+        return Speculator(
+            drafter, draft_max=s.draft_max or DEFAULT_DRAFT_MAX, cost=self.verify_cost, prior=self._draft_prior.get(mode)
+        )
 
     def _remember(self, reply: list[int], budget: int = 8192) -> None:
         """Keep earlier replies (at most `budget` tokens) to draft from, as llama-server's shared n-gram table does."""
@@ -465,7 +491,9 @@ class Runtime:
         """The threads the next token runs on (for status lines)."""
         return self._governor.threads if self._governor is not None else self.n_threads
 
-    def complete(self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None, *, cancel: Optional[CancelToken] = None) -> tuple[str, GenerationStats]:
+    def complete(
+        self, prompt_tokens: Sequence[int], sampling: Optional[SamplingParams] = None, *, cancel: Optional[CancelToken] = None
+    ) -> tuple[str, GenerationStats]:
         st = GenerationStats()
         text = "".join(self.stream(prompt_tokens, sampling, cancel=cancel, stats=st))
         return text, st
@@ -480,7 +508,7 @@ class Runtime:
             llm.close()
             self.llm = None  # type: ignore[assignment]
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -488,6 +516,15 @@ class Runtime:
 
 
 __all__ = [
-    "Runtime", "RuntimeOptions", "SamplingParams", "GenerationStats", "default_threads", "resolve_gpu_layers", "Cancelled",
-    "KV_TYPES", "KV_BYTES_PER_ELEMENT", "silence_native_stderr", "capture_native_stderr",
+    "Runtime",
+    "RuntimeOptions",
+    "SamplingParams",
+    "GenerationStats",
+    "default_threads",
+    "resolve_gpu_layers",
+    "Cancelled",
+    "KV_TYPES",
+    "KV_BYTES_PER_ELEMENT",
+    "silence_native_stderr",
+    "capture_native_stderr",
 ]

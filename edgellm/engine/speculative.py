@@ -32,8 +32,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from edgellm.engine.ngram import NgramDrafter
 from edgellm.errors import UsageError
@@ -57,7 +58,7 @@ class DraftMismatch(UsageError):
 def prior_ratio(n: int) -> float:
     if n <= 1:
         return 1.0
-    for (n0, r0), (n1, r1) in zip(_PRIOR, _PRIOR[1:]):
+    for (n0, r0), (n1, r1) in zip(_PRIOR, _PRIOR[1:], strict=False):
         if n <= n1:
             return r0 + (r1 - r0) * (n - n0) / (n1 - n0)
     n_last, r_last = _PRIOR[-1]
@@ -154,8 +155,15 @@ class DraftCounters:
 class Speculator:
     """One sequence's drafter, policy and counters; the decode loop calls push/propose/verified/plain."""
 
-    def __init__(self, drafter: Any, *, draft_max: int = DEFAULT_DRAFT_MAX, cost: Optional[VerifyCost] = None,
-                 probe_every: int = 24, prior: Optional[tuple[list[float], list[float]]] = None) -> None:
+    def __init__(
+        self,
+        drafter: Any,
+        *,
+        draft_max: int = DEFAULT_DRAFT_MAX,
+        cost: Optional[VerifyCost] = None,
+        probe_every: int = 24,
+        prior: Optional[tuple[list[float], list[float]]] = None,
+    ) -> None:
         self.drafter = drafter
         self.free = isinstance(drafter, NgramDrafter)  # drafting costs nothing: shadow drafts while off
         self.draft_max = max(0, int(draft_max))
@@ -300,9 +308,13 @@ def check_compatible(target: Any, draft: Any, *, names: tuple[str, str] = ("targ
     def differ(what: str, x: Any, y: Any) -> None:
         raise DraftMismatch(f"{b} model cannot draft for {a}: {what} differs ({a}: {x}, {b}: {y})")
 
-    for what, fn in (("vocabulary type", llama_cpp.llama_vocab_type), ("vocabulary size", llama_cpp.llama_vocab_n_tokens),
-                     ("BOS token", llama_cpp.llama_vocab_bos), ("EOS token", llama_cpp.llama_vocab_eos),
-                     ("add-BOS flag", llama_cpp.llama_vocab_get_add_bos)):
+    for what, fn in (
+        ("vocabulary type", llama_cpp.llama_vocab_type),
+        ("vocabulary size", llama_cpp.llama_vocab_n_tokens),
+        ("BOS token", llama_cpp.llama_vocab_bos),
+        ("EOS token", llama_cpp.llama_vocab_eos),
+        ("add-BOS flag", llama_cpp.llama_vocab_get_add_bos),
+    ):
         x, y = fn(vt), fn(vd)
         if x != y:
             differ(what, x, y)
@@ -310,9 +322,20 @@ def check_compatible(target: Any, draft: Any, *, names: tuple[str, str] = ("targ
     for tok in range(int(llama_cpp.llama_vocab_n_tokens(vt))):
         nt = llama_cpp.llama_token_to_piece(vt, tok, buf_t, 256, 0, True)
         nd = llama_cpp.llama_token_to_piece(vd, tok, buf_d, 256, 0, True)
-        if nt != nd or buf_t.raw[:max(nt, 0)] != buf_d.raw[:max(nd, 0)]:
-            differ(f"token {tok}", buf_t.raw[:max(nt, 0)], buf_d.raw[:max(nd, 0)])
+        if nt != nd or buf_t.raw[: max(nt, 0)] != buf_d.raw[: max(nd, 0)]:
+            differ(f"token {tok}", buf_t.raw[: max(nt, 0)], buf_d.raw[: max(nd, 0)])
 
 
-__all__ = ["Speculator", "DraftPolicy", "VerifyCost", "DraftCounters", "ModelDrafter", "NgramDrafter", "check_compatible",
-           "DraftMismatch", "DRAFT_MODES", "DEFAULT_DRAFT_MAX", "prior_ratio"]
+__all__ = [
+    "Speculator",
+    "DraftPolicy",
+    "VerifyCost",
+    "DraftCounters",
+    "ModelDrafter",
+    "NgramDrafter",
+    "check_compatible",
+    "DraftMismatch",
+    "DRAFT_MODES",
+    "DEFAULT_DRAFT_MAX",
+    "prior_ratio",
+]

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 _BUSY_MARGIN = 0.35  # others using this much of a core count it as taken
 _SLOWER = 1.04  # a move that makes tokens this much slower is undone
@@ -138,8 +139,15 @@ class CpuLoad:
 class ThreadGovernor:
     """Feeds a decode loop's token times and the load to a `ThreadController` and applies its choice."""
 
-    def __init__(self, ctx: Any, max_threads: int, *, load: Optional[Callable[[], float]] = None,
-                 window_s: float = 0.25, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        ctx: Any,
+        max_threads: int,
+        *,
+        load: Optional[Callable[[], float]] = None,
+        window_s: float = 0.25,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         import llama_cpp  # lazy: this module's decision logic is usable without llama.cpp
 
         self._set = llama_cpp.llama_set_n_threads

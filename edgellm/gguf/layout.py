@@ -361,7 +361,9 @@ def _parse_file(path: Path, size: int, *, raw: bool = False) -> _Parsed:
             if any(d <= 0 or d > 1 << 40 for d in shape):
                 raise GGUFError(f"{path.name}: tensor {name!r} has invalid dimensions {shape}")
             if shape[0] % block:
-                raise GGUFError(f"{path.name}: tensor {name!r} rows of {shape[0]} are not a multiple of the {qtype.name} block ({block})")
+                raise GGUFError(
+                    f"{path.name}: tensor {name!r} rows of {shape[0]} are not a multiple of the {qtype.name} block ({block})"
+                )
             n_el = 1
             for d in shape:
                 n_el *= d

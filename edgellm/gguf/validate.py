@@ -37,7 +37,7 @@ def cross_check(info: GGUFInfo, parsed: _Parsed, size: int) -> None:
             raise GGUFError(f"{name}: tensor '{t.name}' extends past the end of the file (truncated?)")
     # Tensor data must not overlap: a grown dimension shows up here whatever the arch.
     spans = sorted((t.data_offset, t.data_offset + t.n_bytes, t.name) for t in tensors)
-    for (a0, a1, an), (b0, _b1, bn) in zip(spans, spans[1:]):
+    for (_a0, a1, an), (b0, _b1, bn) in zip(spans, spans[1:], strict=False):
         if b0 < a1:
             raise GGUFError(f"{name}: tensors '{an}' and '{bn}' overlap in the file (a dimension or offset is wrong)")
     check_tiling(info.path, parsed, size)
@@ -46,7 +46,7 @@ def cross_check(info: GGUFInfo, parsed: _Parsed, size: int) -> None:
     blocks: dict[int, set[str]] = {}
     for t in tensors:
         if m := _BLK_RE.match(t.name):
-            blocks.setdefault(int(m.group(1)), set()).add(t.name[m.end():])
+            blocks.setdefault(int(m.group(1)), set()).add(t.name[m.end() :])
     if blocks:
         n_blk = max(blocks) + 1
         if info.block_count != n_blk:
@@ -66,8 +66,7 @@ def cross_check(info: GGUFInfo, parsed: _Parsed, size: int) -> None:
         dims = embd.shape
         if info.embedding_length and dims[0] != info.embedding_length:
             raise GGUFError(
-                f"{name}: metadata says embedding_length={info.embedding_length} "
-                f"but token_embd.weight is {dims[0]} wide"
+                f"{name}: metadata says embedding_length={info.embedding_length} but token_embd.weight is {dims[0]} wide"
             )
         if info.vocab_size and len(dims) > 1 and dims[1] != info.vocab_size:
             raise GGUFError(f"{name}: vocabulary has {info.vocab_size} tokens but token_embd.weight has {dims[1]} rows")
@@ -87,8 +86,12 @@ _LLAMA_LIKE = {"llama", "qwen2", "qwen3", "mistral", "granite"}
 def _check_llama_shapes(info: GGUFInfo, tensors, has_blocks: bool) -> None:
     name = info.path.name
     arch = info.architecture
-    required = {"block_count": info.block_count, "embedding_length": info.embedding_length,
-                "attention.head_count": info.head_count, "context_length": info.context_length}
+    required = {
+        "block_count": info.block_count,
+        "embedding_length": info.embedding_length,
+        "attention.head_count": info.head_count,
+        "context_length": info.context_length,
+    }
     for key, v in required.items():
         if has_blocks and v <= 0:
             raise GGUFError(f"{name}: {arch}.{key} is missing or zero")
@@ -122,7 +125,7 @@ def _check_llama_shapes(info: GGUFInfo, tensors, has_blocks: bool) -> None:
         raise GGUFError(f"{name}: no token_embd.weight tensor")
     for t in tensors:
         m = _BLK_RE.match(t.name)
-        short = t.name[m.end():] if m else t.name
+        short = t.name[m.end() :] if m else t.name
         want = expected.get(short)
         if want and t.shape != want:
             raise GGUFError(f"{name}: tensor '{t.name}' has shape {t.shape}, but the metadata implies {want}")
@@ -152,7 +155,9 @@ def check_tiling(path: Path, parsed: _Parsed, size: int) -> None:
                     f"{name}: tensor '{prev.name}' is declared {_shape(prev)} ({prev.n_bytes} bytes) but occupies "
                     f"{room} bytes before '{t.name}'; its type or shape is wrong"
                 )
-            raise GGUFError(f"{name}: tensor '{t.name}' starts before '{prev.name}' in the data region; llama.cpp needs them in table order")
+            raise GGUFError(
+                f"{name}: tensor '{t.name}' starts before '{prev.name}' in the data region; llama.cpp needs them in table order"
+            )
         expected = t.offset + _pad(t.n_bytes, align)
         prev = t
     if prev is not None:
@@ -214,7 +219,10 @@ def check_tensor_data(path: Path | str, info: Optional[GGUFInfo] = None) -> None
             elif t.type_name in _SCALE_LAYOUT:
                 block, scales = _SCALE_LAYOUT[t.type_name]
                 blocks = raw.reshape(-1, block)
-                bad = any(not np.isfinite(np.ascontiguousarray(blocks[:, o : o + np.dtype(dt).itemsize]).view(dt)).all() for o, dt in scales)
+                bad = any(
+                    not np.isfinite(np.ascontiguousarray(blocks[:, o : o + np.dtype(dt).itemsize]).view(dt)).all()
+                    for o, dt in scales
+                )
             else:
                 continue
             if bad:

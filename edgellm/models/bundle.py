@@ -24,20 +24,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from edgellm import __version__
-from edgellm.errors import (
-    EdgeLLMError,
-    GGUFError,
-    IntegrityError,
-    ModelExists,
-    UsageError,
-    one_line,
-)
-from edgellm.fsutil import (
-    atomic_write_text,
-    check_free_disk,
-    copy_with_sha256,
-    partial_path,
-)
+from edgellm.errors import EdgeLLMError, GGUFError, IntegrityError, ModelExists, UsageError, one_line
+from edgellm.fsutil import atomic_write_text, check_free_disk, copy_with_sha256, partial_path
 from edgellm.gguf.reader import validate_for_import
 from edgellm.models.catalog import load_catalog
 from edgellm.models.store import ModelRecord, Store, validate_name
@@ -110,14 +98,16 @@ def _export_one(rec: ModelRecord, root: Path, *, on_progress, cancel) -> dict[st
     folder.mkdir()
     want = _file_shas(rec)
     files = []
-    for rel, src in zip(rec.files, rec.paths):
+    for rel, src in zip(rec.files, rec.paths, strict=False):
         target = folder / src.name
         size = src.stat().st_size
         with open(src, "rb") as fi, open(target, "wb") as fo:
             n, sha = copy_with_sha256(fi, fo, total=size, on_progress=on_progress, cancel=cancel, task=f"export {src.name}")
         expected = want.get(rel)
         if expected and sha != expected:
-            raise IntegrityError(f"model '{rec.name}': {src} has sha256 {sha[:12]}..., the store recorded {expected[:12]}...; not exported (run `edgellm rm` and pull it again)")
+            raise IntegrityError(
+                f"model '{rec.name}': {src} has sha256 {sha[:12]}..., the store recorded {expected[:12]}...; not exported (run `edgellm rm` and pull it again)"
+            )
         files.append({"path": f"{rec.name}/{src.name}", "size": n, "sha256": sha})
     entry = {"name": rec.name, "files": files, "sha256": files[0]["sha256"], "size_bytes": sum(f["size"] for f in files)}
     entry.update({k: getattr(rec, k) for k in _RECORD_KEYS})
@@ -141,8 +131,17 @@ def _catalog_data(name: Optional[str]) -> Optional[dict[str, Any]]:
         return None
     if e is None:
         return None
-    return {"name": e.name, "display": e.display, "repo": e.repo, "license": e.license, "architecture": e.architecture,
-            "parameters": e.parameters, "context_length": e.context_length, "default_level": e.default_level, "files": e.files}
+    return {
+        "name": e.name,
+        "display": e.display,
+        "repo": e.repo,
+        "license": e.license,
+        "architecture": e.architecture,
+        "parameters": e.parameters,
+        "context_length": e.context_length,
+        "default_level": e.default_level,
+        "files": e.files,
+    }
 
 
 def _version() -> str:
@@ -213,8 +212,13 @@ def read_manifest(folder: Path | str) -> dict[str, Any]:
 
 def _safe_rel_path(rel: Any, mpath: Path) -> str:
     bad = (
-        not isinstance(rel, str) or not rel or "\x00" in rel or "\\" in rel or len(rel) > _MAX_PATH
-        or rel.startswith("/") or re.match(r"^[A-Za-z]:", rel) is not None
+        not isinstance(rel, str)
+        or not rel
+        or "\x00" in rel
+        or "\\" in rel
+        or len(rel) > _MAX_PATH
+        or rel.startswith("/")
+        or re.match(r"^[A-Za-z]:", rel) is not None
     )
     parts = rel.split("/") if isinstance(rel, str) else []
     if bad or any(p in ("", ".", "..") or len(p) > _MAX_COMPONENT for p in parts) or not rel.lower().endswith(".gguf"):
@@ -280,7 +284,9 @@ def import_bundle(
             if not p.is_file():
                 raise IntegrityError(f"bundle file {f['path']} is missing; nothing was imported")
             if p.stat().st_size != f["size"]:
-                raise IntegrityError(f"bundle file {f['path']} has {p.stat().st_size} bytes, the manifest says {f['size']}; nothing was imported")
+                raise IntegrityError(
+                    f"bundle file {f['path']} has {p.stat().st_size} bytes, the manifest says {f['size']}; nothing was imported"
+                )
     total = sum(f["size"] for m in models for f in m["files"])
     check_free_disk(store.models_dir, total, what=f"importing {len(models)} model(s)")
 
@@ -298,7 +304,9 @@ def import_bundle(
                 tmp = partial_path(final)
                 staged.append((tmp, final))
                 with open(src, "rb") as fi, open(tmp, "wb") as fo:
-                    n, sha = copy_with_sha256(fi, fo, total=f["size"], on_progress=on_progress, cancel=cancel, task=f"import {final.name}")
+                    n, sha = copy_with_sha256(
+                        fi, fo, total=f["size"], on_progress=on_progress, cancel=cancel, task=f"import {final.name}"
+                    )
                 if n != f["size"] or sha != f["sha256"]:
                     raise IntegrityError(
                         f"bundle file {f['path']} has sha256 {sha[:12]}... ({n} bytes), the manifest says "
@@ -306,14 +314,22 @@ def import_bundle(
                     )
                 finals.append(final)
                 shas[store.relative(final)] = sha
-            info = _validate_staged(staged[-len(finals):], m["files"])
+            info = _validate_staged(staged[-len(finals) :], m["files"])
             rels = [store.relative(p) for p in finals]
             rec = ModelRecord(
-                name=m["name"], files=rels, size_bytes=sum(f["size"] for f in m["files"]), sha256=shas[rels[0]],
-                architecture=info.architecture, parameters=info.parameters, context_length=info.context_length,
-                level=str(m.get("level") or info.level), source=str(m.get("source") or f"import:{folder.resolve()}"),
-                parent=m.get("parent"), catalog=m.get("catalog") if isinstance(m.get("catalog"), str) else None,
-                file_sha256=shas, extra=dict(m.get("extra") or {}) if isinstance(m.get("extra"), dict) else {},
+                name=m["name"],
+                files=rels,
+                size_bytes=sum(f["size"] for f in m["files"]),
+                sha256=shas[rels[0]],
+                architecture=info.architecture,
+                parameters=info.parameters,
+                context_length=info.context_length,
+                level=str(m.get("level") or info.level),
+                source=str(m.get("source") or f"import:{folder.resolve()}"),
+                parent=m.get("parent"),
+                catalog=m.get("catalog") if isinstance(m.get("catalog"), str) else None,
+                file_sha256=shas,
+                extra=dict(m.get("extra") or {}) if isinstance(m.get("extra"), dict) else {},
             )
             rec.extra["bundle"] = str(folder.resolve())
             records.append(rec)
@@ -324,7 +340,7 @@ def import_bundle(
             moved.append(final)
         _register_all(store, records)
     except BaseException:
-        for tmp, final in staged:
+        for tmp, _final in staged:
             tmp.unlink(missing_ok=True)
         for p in moved:
             p.unlink(missing_ok=True)
@@ -343,7 +359,7 @@ def _validate_staged(staged: list[tuple[Path, Path]], files: list[dict]) -> Any:
         return validate_for_import([tmp for tmp, _final in staged])
     except GGUFError as e:
         msg = str(e)
-        for (tmp, _final), f in zip(staged, files):
+        for (tmp, _final), f in zip(staged, files, strict=False):
             msg = msg.replace(tmp.name, f"bundle file {f['path']}")
         raise GGUFError(f"{msg}; nothing was imported") from None
 

@@ -58,6 +58,7 @@ class CatalogEntry:
             lv.append(self.package.level)
         return lv
 
+
 @dataclass
 class Catalog:
     entries: list[CatalogEntry] = field(default_factory=list)
@@ -112,8 +113,7 @@ def load_catalog(path: Optional[Path] = None) -> Catalog:
     for i, m in enumerate(data.get("model", [])):
         try:
             files = {
-                str(k).lower(): ([v] if isinstance(v, str) else [str(x) for x in v])
-                for k, v in (m.get("files") or {}).items()
+                str(k).lower(): ([v] if isinstance(v, str) else [str(x) for x in v]) for k, v in (m.get("files") or {}).items()
             }
             for fl in files.values():
                 for f in fl:

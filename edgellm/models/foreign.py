@@ -33,13 +33,7 @@ from edgellm.errors import IntegrityError, ModelExists, ModelNotFound, UsageErro
 from edgellm.fsutil import sha256_file
 from edgellm.gguf.reader import GGUF_MAGIC, split_set, validate_for_import
 from edgellm.models.resolve import record_from_info
-from edgellm.models.store import (
-    ModelRecord,
-    Store,
-    copy_into_store,
-    link_into_store,
-    validate_name,
-)
+from edgellm.models.store import ModelRecord, Store, copy_into_store, link_into_store, validate_name
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
 
 log = logging.getLogger(__name__)
@@ -72,9 +66,16 @@ class ForeignModel:
         return re.sub(r"\.{2,}", ".", cleaned)[:128] or "model"
 
     def to_json(self) -> dict[str, Any]:
-        return {"tool": self.tool, "name": self.name, "store_name": self.store_name, "path": str(self.files[0]),
-                "files": [str(f) for f in self.files], "size_bytes": self.size_bytes,
-                "sha256": self.expected_sha256[0], **self.extra}
+        return {
+            "tool": self.tool,
+            "name": self.name,
+            "store_name": self.store_name,
+            "path": str(self.files[0]),
+            "files": [str(f) for f in self.files],
+            "size_bytes": self.size_bytes,
+            "sha256": self.expected_sha256[0],
+            **self.extra,
+        }
 
 
 def _stem(filename: str) -> str:
@@ -170,8 +171,11 @@ def _ollama(root: Path) -> list[ForeignModel]:
         name = f"{model}:{tag}"
         if namespace != "library" or registry != _OLLAMA_REGISTRY:
             name = f"{namespace}/{name}" if registry == _OLLAMA_REGISTRY else f"{registry}/{namespace}/{name}"
-        out.append(ForeignModel("ollama", name, [blob], [hexd], blob.stat().st_size,
-                                {"manifest": str(mf), "layer_size": layers[0].get("size")}))
+        out.append(
+            ForeignModel(
+                "ollama", name, [blob], [hexd], blob.stat().st_size, {"manifest": str(mf), "layer_size": layers[0].get("size")}
+            )
+        )
     return out
 
 
@@ -218,8 +222,11 @@ def _hf(root: Path) -> list[ForeignModel]:
                     continue
                 seen.add(rel)
                 shas = [s.resolve().name if _SHA_RE.match(s.resolve().name) else None for s in shards]
-                out.append(ForeignModel("hf", f"{repo}/{rel}", shards, shas, sum(s.stat().st_size for s in shards),
-                                        {"revision": snap.name}))
+                out.append(
+                    ForeignModel(
+                        "hf", f"{repo}/{rel}", shards, shas, sum(s.stat().st_size for s in shards), {"revision": snap.name}
+                    )
+                )
     return out
 
 
@@ -227,7 +234,9 @@ def select(tool: str, models: list[ForeignModel], wanted: list[str]) -> list[For
     """The models named in `wanted` (the tool's name, or the store name it would get)."""
     chosen = []
     for w in wanted:
-        hits = [m for m in models if w in (m.name, m.store_name) or (tool == "ollama" and ":" not in w and m.name == f"{w}:latest")]
+        hits = [
+            m for m in models if w in (m.name, m.store_name) or (tool == "ollama" and ":" not in w and m.name == f"{w}:latest")
+        ]
         if not hits:
             raise ModelNotFound(f"no model '{w}' in the {LABELS[tool]} store; run without a name to list them")
         chosen.extend(h for h in hits[:1] if h not in chosen)
@@ -237,11 +246,12 @@ def select(tool: str, models: list[ForeignModel], wanted: list[str]) -> list[For
 # -- registering ----------------------------------------------------------------------
 
 
-def verify_blob(model: ForeignModel, *, on_progress: ProgressCallback = no_progress,
-                cancel: Optional[CancelToken] = None) -> list[str]:
+def verify_blob(
+    model: ForeignModel, *, on_progress: ProgressCallback = no_progress, cancel: Optional[CancelToken] = None
+) -> list[str]:
     """sha256 of every file, refusing one whose content does not match the name the tool gave it."""
     shas = []
-    for f, want in zip(model.files, model.expected_sha256):
+    for f, want in zip(model.files, model.expected_sha256, strict=False):
         got = sha256_file(f.resolve(), on_progress=on_progress, cancel=cancel, task=f"verify {model.name}")
         if want and got != want:
             raise IntegrityError(_mismatch(model, f, got, want))
@@ -251,8 +261,10 @@ def verify_blob(model: ForeignModel, *, on_progress: ProgressCallback = no_progr
 
 def _mismatch(model: ForeignModel, f: Path, got: str, want: str) -> str:
     blob = f.resolve()
-    return (f"{LABELS[model.tool]} blob {blob} is named for sha256 {want[:12]}... but its content hashes to "
-            f"{got[:12]}...; the file is damaged or was changed, refusing '{model.name}'")
+    return (
+        f"{LABELS[model.tool]} blob {blob} is named for sha256 {want[:12]}... but its content hashes to "
+        f"{got[:12]}...; the file is damaged or was changed, refusing '{model.name}'"
+    )
 
 
 def import_foreign(
@@ -278,7 +290,9 @@ def import_foreign(
     for f in model.files:
         with open(f, "rb") as fh:
             if fh.read(4) != GGUF_MAGIC:
-                raise UsageError(f"{LABELS[model.tool]} model '{model.name}' ({f.resolve()}) is not a GGUF file; edgellm runs GGUF only")
+                raise UsageError(
+                    f"{LABELS[model.tool]} model '{model.name}' ({f.resolve()}) is not a GGUF file; edgellm runs GGUF only"
+                )
     # Cheap refusals first: the tool's own sha256 before the full validation pass.
     shas = verify_blob(model, on_progress=on_progress, cancel=cancel) if (link or any(model.expected_sha256)) else []
     info = validate_for_import([f.resolve() for f in model.files])
@@ -294,7 +308,9 @@ def import_foreign(
                     placed.append(store.models_dir / entry)
             else:
                 mode = "copy"
-                target, n, sha = copy_into_store(store, f.resolve(), name, filename=filename, on_progress=on_progress, cancel=cancel)
+                target, n, sha = copy_into_store(
+                    store, f.resolve(), name, filename=filename, on_progress=on_progress, cancel=cancel
+                )
                 placed.append(target)
                 entry = store.relative(target)
                 want = model.expected_sha256[i]
@@ -306,10 +322,21 @@ def import_foreign(
             total += n
         extra: dict[str, Any] = {"foreign": {"tool": model.tool, "name": model.name, "path": str(model.files[0].resolve())}}
         if link:
-            extra["link"] = {"mode": "reference" if "reference" in modes else "hardlink", "tool": model.tool,
-                             "origin": str(model.files[0].resolve())}
-        rec = record_from_info(name, info, files, file_shas[files[0]], size_bytes=total,
-                               source=f"{model.tool}:{model.name}", file_sha256=file_shas, extra=extra)
+            extra["link"] = {
+                "mode": "reference" if "reference" in modes else "hardlink",
+                "tool": model.tool,
+                "origin": str(model.files[0].resolve()),
+            }
+        rec = record_from_info(
+            name,
+            info,
+            files,
+            file_shas[files[0]],
+            size_bytes=total,
+            source=f"{model.tool}:{model.name}",
+            file_sha256=file_shas,
+            extra=extra,
+        )
         return store.register(rec)
     except BaseException:
         if not store.find(name):  # not a same-named model another process registered meanwhile

@@ -25,9 +25,10 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from edgellm import paths
@@ -41,27 +42,13 @@ from edgellm.errors import (
     OfflineError,
     UsageError,
 )
-from edgellm.fsutil import (
-    atomic_path,
-    check_free_disk,
-    free_bytes,
-    human_size,
-    sha256_file,
-)
+from edgellm.fsutil import atomic_path, check_free_disk, free_bytes, human_size, sha256_file
 from edgellm.gguf.reader import read_gguf
 from edgellm.models.catalog import CatalogEntry, load_catalog, parse_ref
 from edgellm.models.preflight import Preflight, preflight_ram
 from edgellm.models.resolve import record_from_info, store_name
 from edgellm.models.store import ModelRecord, Store, validate_name
-from edgellm.models.transfer import (
-    RemoteFile,
-    call,
-    endpoint,
-    fetch,
-    resume_size,
-    sidecar_file,
-    verify,
-)
+from edgellm.models.transfer import RemoteFile, call, endpoint, fetch, resume_size, sidecar_file, verify
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
 
 log = logging.getLogger(__name__)
@@ -128,7 +115,9 @@ def _target(ref: str, *, level, filename, revision, name) -> Target:
             raise UsageError("--file applies to Hub repos (owner/name); catalog models pick files by level")
         files = entry.files.get(level)
         if not files:
-            raise CatalogError(f"'{entry.name}' has no {level} file in {entry.repo}; levels there: {', '.join(entry.files) or 'none'}")
+            raise CatalogError(
+                f"'{entry.name}' has no {level} file in {entry.repo}; levels there: {', '.join(entry.files) or 'none'}"
+            )
 
         return Target(entry.repo, level, list(files), revision, name or store_name(entry.name, level), entry)
     if base.count("/") != 1 or not all(re.fullmatch(r"[\w.-]{1,96}", p) for p in base.split("/")):
@@ -228,8 +217,11 @@ def pull(
 
     ep = endpoint()
     what = {"repo": target.repo, "revision": target.revision}
-    info = call(lambda: HfApi(endpoint=ep, token=token).model_info(target.repo, revision=target.revision, files_metadata=True),
-                 what=what, cancel=cancel)
+    info = call(
+        lambda: HfApi(endpoint=ep, token=token).model_info(target.repo, revision=target.revision, files_metadata=True),
+        what=what,
+        cancel=cancel,
+    )
     siblings = {s.rfilename: s for s in (info.siblings or [])}
     filenames = target.filenames or match_level(target.level or "", list(siblings), repo=target.repo)
     if not target.catalog and target.filenames:
@@ -250,8 +242,18 @@ def pull(
         if not _SHA256_RE.match(sha.lower()) or not s.size:
             raise DownloadError(f"{target.repo}: {f} has no LFS sha256 on the Hub, so it cannot be verified")
         files.append(RemoteFile(f, int(s.size), sha.lower()))
-    return _download_and_register(store, target, name, commit, files, token=token, force=force,
-                                  on_progress=on_progress, on_preflight=on_preflight, cancel=cancel)
+    return _download_and_register(
+        store,
+        target,
+        name,
+        commit,
+        files,
+        token=token,
+        force=force,
+        on_progress=on_progress,
+        on_preflight=on_preflight,
+        cancel=cancel,
+    )
 
 
 def _existing(store: Store, target: Target, filenames: Optional[list[str]]) -> Optional[ModelRecord]:
@@ -265,8 +267,19 @@ def _existing(store: Store, target: Target, filenames: Optional[list[str]]) -> O
     raise ModelExists(f"a model named '{target.name}' already exists ({rec.source}); pick another --name or remove it first")
 
 
-def _download_and_register(store: Store, target: Target, name: str, commit: str, files: list[RemoteFile], *,
-                           token, force, on_progress, on_preflight, cancel) -> ModelRecord:
+def _download_and_register(
+    store: Store,
+    target: Target,
+    name: str,
+    commit: str,
+    files: list[RemoteFile],
+    *,
+    token,
+    force,
+    on_progress,
+    on_preflight,
+    cancel,
+) -> ModelRecord:
     import filelock  # filelock only where the index is written
 
     dl = paths.ensure(downloads_dir(store))
@@ -295,10 +308,15 @@ def _download_and_register(store: Store, target: Target, name: str, commit: str,
         def locate(f: RemoteFile, refresh: bool = False) -> tuple[str, dict]:
             if refresh or f.sha256 not in locations:
                 url = file_download.hf_hub_url(target.repo, f.filename, revision=commit, endpoint=ep)
-                meta = call(lambda: file_download.get_hf_file_metadata(url, token=token, endpoint=ep),
-                             what={"repo": target.repo, "filename": f.filename, "revision": commit}, cancel=cancel)
+                meta = call(
+                    lambda: file_download.get_hf_file_metadata(url, token=token, endpoint=ep),
+                    what={"repo": target.repo, "filename": f.filename, "revision": commit},
+                    cancel=cancel,
+                )
                 if meta.etag and _SHA256_RE.match(meta.etag) and meta.etag != f.sha256:
-                    raise IntegrityError(f"{f.filename}: the Hub's ETag {meta.etag[:12]}... contradicts its LFS sha256 {f.sha256[:12]}...")
+                    raise IntegrityError(
+                        f"{f.filename}: the Hub's ETag {meta.etag[:12]}... contradicts its LFS sha256 {f.sha256[:12]}..."
+                    )
                 headers = build_hf_headers(token=token)
                 if urlsplit(meta.location).netloc != urlsplit(ep).netloc:
                     headers.pop("authorization", None)  # signed CDN URL: never send the token off the Hub
@@ -336,24 +354,47 @@ def _download_and_register(store: Store, target: Target, name: str, commit: str,
                     sidecar_file(dl, f).unlink(missing_ok=True)
                 finals.append(final)
                 shas[store.relative(final)] = f.sha256
-            rec = _record(store, name, finals, shas, total, source=f"hf:{target.repo}@{commit}", target=target,
-                          filenames=[f.filename for f in files])
+            rec = _record(
+                store,
+                name,
+                finals,
+                shas,
+                total,
+                source=f"hf:{target.repo}@{commit}",
+                target=target,
+                filenames=[f.filename for f in files],
+            )
             return store.register(rec)
     finally:
         for lk in locks:
             lk.release()
 
 
-def _record(store: Store, name: str, finals: list[Path], shas: dict[str, str], total: int, *, source: str,
-            target: Target, filenames: list[str]) -> ModelRecord:
+def _record(
+    store: Store,
+    name: str,
+    finals: list[Path],
+    shas: dict[str, str],
+    total: int,
+    *,
+    source: str,
+    target: Target,
+    filenames: list[str],
+) -> ModelRecord:
     info = read_gguf(finals[0])
     for p in finals[1:]:
         # Later shards carry only split.* metadata (no architecture): structure checks only.
         read_gguf(p, check=False)
     rels = [store.relative(p) for p in finals]
     rec = record_from_info(
-        name, info, rels, shas[rels[0]], size_bytes=total, source=source,
-        catalog=target.catalog.name if target.catalog else None, file_sha256=shas,
+        name,
+        info,
+        rels,
+        shas[rels[0]],
+        size_bytes=total,
+        source=source,
+        catalog=target.catalog.name if target.catalog else None,
+        file_sha256=shas,
         extra={"repo": target.repo, "filenames": filenames, "revision": target.revision or "main"},
     )
     rec.level = (target.level or info.level).lower()
@@ -400,15 +441,23 @@ def _adopt(src: Path, final: Path, f: RemoteFile, *, on_progress, cancel) -> Non
             shutil.copyfile(src, tmp)
         got = sha256_file(tmp, on_progress=on_progress, cancel=cancel, task=f"verify {Path(f.filename).name}")
         if f.sha256 and got != f.sha256:
-            raise IntegrityError(f"{src} in the Hugging Face cache has sha256 {got[:12]}..., expected {f.sha256[:12]}...; not used")
+            raise IntegrityError(
+                f"{src} in the Hugging Face cache has sha256 {got[:12]}..., expected {f.sha256[:12]}...; not used"
+            )
 
 
 def _pull_offline(store: Store, target: Target, *, on_progress, cancel) -> ModelRecord:
-    what = target.catalog.name + ":" + (target.level or "") if target.catalog else f"{target.repo} ({target.filenames[0] if target.filenames else target.level})"
+    what = (
+        target.catalog.name + ":" + (target.level or "")
+        if target.catalog
+        else f"{target.repo} ({target.filenames[0] if target.filenames else target.level})"
+    )
     snap = _cached_snapshot(target.repo, target.revision)
     cache = _repo_cache(target.repo)
     if snap is None:
-        raise OfflineError(f"offline: {what} is not in the store, nor in the Hugging Face cache ({cache}); pull it while online or `edgellm import` a bundle")
+        raise OfflineError(
+            f"offline: {what} is not in the store, nor in the Hugging Face cache ({cache}); pull it while online or `edgellm import` a bundle"
+        )
     listing = [str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file()]
     filenames = target.filenames or match_level(target.level or "", listing, repo=f"{target.repo} (cached)")
     filenames = _split_members(filenames[0], listing) if not target.catalog and len(filenames) == 1 else filenames
@@ -430,8 +479,16 @@ def _pull_offline(store: Store, target: Target, *, on_progress, cancel) -> Model
             finals.append(final)
             shas[store.relative(final)] = blob or sha256_file(final)
             files.append(rf)
-        rec = _record(store, name, finals, shas, sum(f.size for f in files), source=f"hf:{target.repo}@{snap.name}",
-                      target=target, filenames=filenames)
+        rec = _record(
+            store,
+            name,
+            finals,
+            shas,
+            sum(f.size for f in files),
+            source=f"hf:{target.repo}@{snap.name}",
+            target=target,
+            filenames=filenames,
+        )
         return store.register(rec)
 
 

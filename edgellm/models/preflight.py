@@ -58,13 +58,20 @@ class Preflight:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         del d["memory"]
-        d.update(memory=self.memory.to_json(), n_ctx=self.memory.ctx, kv_bytes=self.memory.kv_bytes,
-                 ram_needed=self.ram_needed, fits_disk=self.fits_disk, fits_ram=self.fits_ram)
+        d.update(
+            memory=self.memory.to_json(),
+            n_ctx=self.memory.ctx,
+            kv_bytes=self.memory.kv_bytes,
+            ram_needed=self.ram_needed,
+            fits_disk=self.fits_disk,
+            fits_ram=self.fits_ram,
+        )
         return d
 
 
-def preflight_ram(dl: Path, files: list[RemoteFile], cached: dict, fetch_header, *, total: int, remaining: int,
-                   disk_free: int) -> Preflight:
+def preflight_ram(
+    dl: Path, files: list[RemoteFile], cached: dict, fetch_header, *, total: int, remaining: int, disk_free: int
+) -> Preflight:
     first = files[0]
     info = _header_info(dl, first, cached.get(first.sha256), fetch_header)
     n_ctx = min(DEFAULT_CTX, info.context_length) if info and info.context_length else DEFAULT_CTX
@@ -73,8 +80,9 @@ def preflight_ram(dl: Path, files: list[RemoteFile], cached: dict, fetch_header,
         shape, source = Shape.of(info, tensor_bytes=total), "gguf header"
     else:
         shape, source = shape_from_size(total, int(total * 8 / 4.5)), "estimate"
-    return Preflight(total, remaining, str(dl), disk_free, remaining + DISK_MARGIN, estimate(shape, ctx=n_ctx),
-                     available_ram(), source)
+    return Preflight(
+        total, remaining, str(dl), disk_free, remaining + DISK_MARGIN, estimate(shape, ctx=n_ctx), available_ram(), source
+    )
 
 
 def _header_info(dl: Path, f: RemoteFile, cached_blob: Optional[Path], fetch_header) -> Optional[GGUFInfo]:

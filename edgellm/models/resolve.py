@@ -14,16 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from edgellm.models.catalog import load_catalog, parse_ref
-from edgellm.errors import (
-    ModelExists,
-    ModelNotFound,
-    UsageError,
-)
-from edgellm.gguf.reader import GGUFInfo, split_set, validate_for_import
-from edgellm.progress import CancelToken, ProgressCallback, no_progress
+from edgellm.errors import ModelExists, ModelNotFound, UsageError
 from edgellm.fsutil import sha256_file
+from edgellm.gguf.reader import GGUFInfo, split_set, validate_for_import
+from edgellm.models.catalog import load_catalog, parse_ref
 from edgellm.models.store import ModelRecord, Store, copy_into_store, link_into_store, validate_name
+from edgellm.progress import CancelToken, ProgressCallback, no_progress
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +80,9 @@ def resolve(ref: str, *, store: Optional[Store] = None) -> Resolved:
             rec = store.find(f"{name}-{level}")
     if rec is not None:
         if not rec.path.is_file():
-            raise ModelNotFound(f"model '{rec.name}' is registered but its file {rec.path} is missing; run `edgellm rm {rec.name}` and pull it again")
+            raise ModelNotFound(
+                f"model '{rec.name}' is registered but its file {rec.path} is missing; run `edgellm rm {rec.name}` and pull it again"
+            )
         return Resolved(rec.path, rec)
     p = Path(ref).expanduser()
     if p.exists():
@@ -140,8 +138,11 @@ def import_file(
                 entry, mode = link_into_store(store, s, name, filename=s.name)
                 if mode == "hardlink":
                     targets.append(store.models_dir / entry)
-                extra["link"] = {"mode": mode if extra.get("link", {}).get("mode") != "reference" else "reference",
-                                 "tool": "file", "origin": str(shards[0].resolve())}
+                extra["link"] = {
+                    "mode": mode if extra.get("link", {}).get("mode") != "reference" else "reference",
+                    "tool": "file",
+                    "origin": str(shards[0].resolve()),
+                }
                 n = s.stat().st_size
             else:
                 target, n, sha = copy_into_store(store, s, name, on_progress=on_progress, cancel=cancel)
@@ -151,8 +152,16 @@ def import_file(
             shas[entry] = sha
             total += n
         rec = record_from_info(
-            name, info, files, shas[files[0]], size_bytes=total,
-            source=source or f"import:{path.resolve()}", parent=parent, catalog=catalog, file_sha256=shas, extra=extra,
+            name,
+            info,
+            files,
+            shas[files[0]],
+            size_bytes=total,
+            source=source or f"import:{path.resolve()}",
+            parent=parent,
+            catalog=catalog,
+            file_sha256=shas,
+            extra=extra,
         )
         return store.register(rec)
     except BaseException:

@@ -19,26 +19,14 @@ import logging
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from edgellm import paths
-from edgellm.errors import (
-    IntegrityError,
-    ModelExists,
-    ModelNotFound,
-    StoreError,
-    UsageError,
-)
-from edgellm.fsutil import (
-    atomic_path,
-    atomic_write_text,
-    check_free_disk,
-    copy_with_sha256,
-    remove_stale_partials,
-    sha256_file,
-)
+from edgellm.errors import IntegrityError, ModelExists, ModelNotFound, StoreError, UsageError
+from edgellm.fsutil import atomic_path, atomic_write_text, check_free_disk, copy_with_sha256, remove_stale_partials, sha256_file
 from edgellm.progress import no_progress
 
 log = logging.getLogger(__name__)
@@ -52,8 +40,7 @@ def validate_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
         shown = repr(name) if len(str(name)) <= 60 else repr(str(name)[:60]) + "..."
         raise UsageError(
-            f"invalid model name {shown}: use 1-128 letters, digits, '.', '_', '+' or '-', "
-            "starting with a letter or digit"
+            f"invalid model name {shown}: use 1-128 letters, digits, '.', '_', '+' or '-', starting with a letter or digit"
         )
     return name
 
@@ -101,7 +88,7 @@ class ModelRecord:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ModelRecord":
+    def from_json(cls, d: dict[str, Any]) -> ModelRecord:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -134,9 +121,7 @@ class Store:
             if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
                 raise ValueError("not an index")
         except ValueError:
-            raise StoreError(
-                f"the model index {self.index_path} is corrupt; move it aside and re-import your models"
-            ) from None
+            raise StoreError(f"the model index {self.index_path} is corrupt; move it aside and re-import your models") from None
         return data
 
     def list(self) -> list[ModelRecord]:
@@ -245,7 +230,10 @@ class Store:
             if got != sha:
                 raise IntegrityError(f"model '{name}': {p} has sha256 {got[:12]}..., expected {sha[:12]}...")
 
-def copy_into_store(store: Store, src: Path, name: str, *, filename: Optional[str] = None, on_progress=None, cancel=None) -> tuple[Path, int, str]:
+
+def copy_into_store(
+    store: Store, src: Path, name: str, *, filename: Optional[str] = None, on_progress=None, cancel=None
+) -> tuple[Path, int, str]:
     """Copy a file into the store's folder for `name`, hashing on the way."""
 
     folder = store.model_folder(name)
@@ -255,7 +243,9 @@ def copy_into_store(store: Store, src: Path, name: str, *, filename: Optional[st
     check_free_disk(folder, size, what=f"importing {src.name}")
     with atomic_path(target) as tmp:
         with open(src, "rb") as fi, open(tmp, "wb") as fo:
-            n, sha = copy_with_sha256(fi, fo, total=size, on_progress=on_progress or no_progress, cancel=cancel, task=f"import {src.name}")
+            n, sha = copy_with_sha256(
+                fi, fo, total=size, on_progress=on_progress or no_progress, cancel=cancel, task=f"import {src.name}"
+            )
     return target, n, sha
 
 

@@ -25,9 +25,10 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from edgellm.errors import Cancelled, DownloadError, EdgeLLMError, IntegrityError, ModelNotFound, one_line
 from edgellm.fsutil import atomic_write_text, human_size, sha256_file
@@ -79,8 +80,7 @@ def _is_transport_error(e: BaseException) -> bool:
     Recognised by its class hierarchy, not by importing the library: huggingface_hub
     1.x is built on `httpx`, 2.x on `httpx2`, and both name the base `TransportError`.
     """
-    return any(c.__name__ == "TransportError" and c.__module__.split(".")[0] in ("httpx", "httpx2")
-               for c in type(e).__mro__)
+    return any(c.__name__ == "TransportError" and c.__module__.split(".")[0] in ("httpx", "httpx2") for c in type(e).__mro__)
 
 
 def _retryable(e: BaseException) -> bool:
@@ -107,7 +107,9 @@ def hub_error(e: BaseException, *, repo: str, filename: Optional[str] = None, re
     st = _status(e)
     # GatedRepoError subclasses RepositoryNotFoundError: test it first.
     if isinstance(e, GatedRepoError):
-        return DownloadError(f"{repo} is gated or private and no token was sent ({st or 401}): set HF_TOKEN or run `hf auth login`")
+        return DownloadError(
+            f"{repo} is gated or private and no token was sent ({st or 401}): set HF_TOKEN or run `hf auth login`"
+        )
     if isinstance(e, RepositoryNotFoundError):
         return ModelNotFound(f"no Hub repo named '{repo}' (404); check the name (private repos need HF_TOKEN)")
     if isinstance(e, RevisionNotFoundError):
@@ -116,9 +118,13 @@ def hub_error(e: BaseException, *, repo: str, filename: Optional[str] = None, re
         return ModelNotFound(f"{repo} has no file '{filename}' at {revision or 'main'} (404)")
     if isinstance(e, HfHubHTTPError):
         if st == 401:
-            return DownloadError(f"the Hub refused the token for {repo} (401 invalid credentials): check HF_TOKEN or `hf auth login`")
+            return DownloadError(
+                f"the Hub refused the token for {repo} (401 invalid credentials): check HF_TOKEN or `hf auth login`"
+            )
         if st == 403:
-            return DownloadError(f"access to {repo} is forbidden (403): accept its license on the Hub with the account of your token")
+            return DownloadError(
+                f"access to {repo} is forbidden (403): accept its license on the Hub with the account of your token"
+            )
         if st == 404:
             return ModelNotFound(f"{repo}: {filename or 'repo'} not found (404)")
         return DownloadError(f"the Hub answered HTTP {st} for {repo}/{filename or ''}".rstrip("/"))
@@ -187,8 +193,20 @@ def resume_size(dl: Path, f: RemoteFile) -> int:
 def _start_partial(dl: Path, f: RemoteFile, *, repo: str, commit: str) -> Path:
     part, side = partial_file(dl, f), sidecar_file(dl, f)
     if not side.exists():
-        atomic_write_text(side, json.dumps({"repo": repo, "filename": f.filename, "sha256": f.sha256, "size": f.size,
-                                            "commit": commit, "started": time.time()}) + "\n")
+        atomic_write_text(
+            side,
+            json.dumps(
+                {
+                    "repo": repo,
+                    "filename": f.filename,
+                    "sha256": f.sha256,
+                    "size": f.size,
+                    "commit": commit,
+                    "started": time.time(),
+                }
+            )
+            + "\n",
+        )
     part.touch(exist_ok=True)
     return part
 
@@ -249,12 +267,27 @@ def _get_range(url: str, headers: dict, fh, start: int, end: int, report, cancel
     from huggingface_hub.file_download import http_get  # huggingface_hub (~0.3 s) only on a Hub call
 
     writer = _SegmentWriter(fh, end, report, cancel)
-    http_get(url, writer, headers={**headers, "Range": f"bytes={start}-{end - 1}"}, expected_size=end - start,
-             displayed_filename="edgellm", tqdm_class=_QuietBar)
+    http_get(
+        url,
+        writer,
+        headers={**headers, "Range": f"bytes={start}-{end - 1}"},
+        expected_size=end - start,
+        displayed_filename="edgellm",
+        tqdm_class=_QuietBar,
+    )
 
 
-def fetch(dl: Path, f: RemoteFile, locate, *, commit: str, repo: str, on_progress: ProgressCallback,
-           cancel: Optional[CancelToken], limit: Optional[int] = None) -> Path:
+def fetch(
+    dl: Path,
+    f: RemoteFile,
+    locate,
+    *,
+    commit: str,
+    repo: str,
+    on_progress: ProgressCallback,
+    cancel: Optional[CancelToken],
+    limit: Optional[int] = None,
+) -> Path:
     """Download `f` (its first `limit` bytes) into its partial file, resuming, with bounded retries."""
     part = _start_partial(dl, f, repo=repo, commit=commit)
     retries = int(env_float("EDGELLM_HUB_RETRIES", 5))
@@ -302,10 +335,14 @@ def fetch(dl: Path, f: RemoteFile, locate, *, commit: str, repo: str, on_progres
             failures += 1
             if failures >= retries:
                 err = hub_error(e, repo=repo, filename=f.filename, revision=commit)
-                raise DownloadError(f"{err} (gave up after {failures} attempts; {human_size(done)} of "
-                                    f"{human_size(f.size)} kept, pull again to resume)") from None
+                raise DownloadError(
+                    f"{err} (gave up after {failures} attempts; {human_size(done)} of "
+                    f"{human_size(f.size)} kept, pull again to resume)"
+                ) from None
             delay = min(30.0, base * 2 ** (failures - 1))
-            log.warning("download of %s failed (%s); retry %d/%d in %.1f s", f.filename, type(e).__name__, failures, retries - 1, delay)
+            log.warning(
+                "download of %s failed (%s); retry %d/%d in %.1f s", f.filename, type(e).__name__, failures, retries - 1, delay
+            )
             _sleep(delay, cancel)
     return part
 
@@ -320,7 +357,6 @@ def verify(part: Path, f: RemoteFile, *, on_progress: ProgressCallback, cancel: 
             f"{Path(f.filename).name}: downloaded file has sha256 {got[:12]}... ({size} bytes) but the Hub says "
             f"{f.sha256[:12]}... ({f.size} bytes); it was deleted, pull again"
         )
-
 
 
 __all__ = ["RemoteFile", "call", "endpoint", "fetch", "hub_error", "partial_file", "resume_size", "sidecar_file", "verify"]

@@ -174,8 +174,14 @@ class _Threadpool:
             base = ctypes.CDLL(str(next(p for p in libdir.glob(f"*ggml-base*.{ext}"))))
 
             class Params(ctypes.Structure):
-                _fields_ = [("cpumask", ctypes.c_bool * 512), ("n_threads", ctypes.c_int), ("prio", ctypes.c_int),
-                            ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool), ("paused", ctypes.c_bool)]
+                _fields_ = [
+                    ("cpumask", ctypes.c_bool * 512),
+                    ("n_threads", ctypes.c_int),
+                    ("prio", ctypes.c_int),
+                    ("poll", ctypes.c_uint32),
+                    ("strict_cpu", ctypes.c_bool),
+                    ("paused", ctypes.c_bool),
+                ]
 
             base.ggml_threadpool_params_default.restype = Params
             base.ggml_threadpool_params_default.argtypes = [ctypes.c_int]
@@ -229,8 +235,11 @@ def _apply_rpc(mp, rpc: Optional[dict[str, Any]]) -> Any:
     from edgellm.engine import rpc_native  # only with --rpc
     from edgellm.engine.rpc import parse_endpoints  # only with --rpc
 
-    plan = SimpleNamespace(workers=[SimpleNamespace(endpoint=ep) for ep in parse_endpoints(rpc["endpoints"])],
-                           n_gpu_layers=int(rpc["n_gpu_layers"]), tensor_split=[float(x) for x in rpc["tensor_split"]])
+    plan = SimpleNamespace(
+        workers=[SimpleNamespace(endpoint=ep) for ep in parse_endpoints(rpc["endpoints"])],
+        n_gpu_layers=int(rpc["n_gpu_layers"]),
+        tensor_split=[float(x) for x in rpc["tensor_split"]],
+    )
     return rpc_native.apply_to_params(mp, plan)
 
 
@@ -262,7 +271,9 @@ def run(req: dict[str, Any]) -> int:
 
     def fail(kind: str, message: str) -> int:
         # llama.cpp's own reason ("error loading model: unknown model architecture ...") beats its "failed to load"
-        errs = [ln.strip() for ln in log_lines if "error" in ln.lower()] or [ln.strip() for ln in log_lines if "failed" in ln.lower()]
+        errs = [ln.strip() for ln in log_lines if "error" in ln.lower()] or [
+            ln.strip() for ln in log_lines if "failed" in ln.lower()
+        ]
         reason = errs[-1].split("error loading model:", 1)[-1].strip() if errs else ""
         detail = f": {reason[:200]}" if reason else ""
         _emit({"event": "error", "kind": kind, "message": message + detail})
@@ -328,7 +339,7 @@ def run(req: dict[str, Any]) -> int:
         mem = llama_cpp.llama_get_memory(ctx)
         n_batch = llama_cpp.llama_n_batch(ctx)
 
-        def run(batches, *, prompt: bool) -> bool:
+        def run(batches, *, prompt: bool, ctx=ctx) -> bool:
             # llama-bench's test_prompt syncs once at the end, its test_gen after every token
             for _arr, b in batches:
                 if decode(ctx, b) != 0:
@@ -372,18 +383,34 @@ def run(req: dict[str, Any]) -> int:
                 buffers[m.group(1)] += int(float(m.group(2)) * (1 << 20))
         avg, sd = stats_ts(samples, n_prompt + n_gen)
         anon = snap["anon"] - baseline["anon"] if snap["anon"] is not None and baseline["anon"] is not None else None
-        _emit({
-            "event": "row", "index": ti, "test": test["name"], "n_prompt": n_prompt, "n_gen": n_gen,
-            "n_ctx": int(llama_cpp.llama_n_ctx(ctx)), "n_batch": n_batch, "n_ubatch": N_UBATCH,
-            "samples_ns": samples, "avg_ts": avg, "stddev_ts": sd,
-            "rss_bytes": snap["peak_rss"], "rss_now_bytes": snap["rss"],
-            "file_backed_bytes": snap["model_file"], "anon_bytes": anon,
-            "process_anon_bytes": snap["anon"], "process_file_bytes": snap["file"],
-            "baseline_rss_bytes": baseline["rss"], "baseline_anon_bytes": baseline["anon"],
-            "kv_buffer_bytes": buffers["KV"], "compute_buffer_bytes": buffers["compute"],
-            "output_buffer_bytes": buffers["output"], "threadpool": pool.ptr is not None,
-            **_device_split(log_lines[:n_model_log] + log_lines[n_log:]),
-        })
+        _emit(
+            {
+                "event": "row",
+                "index": ti,
+                "test": test["name"],
+                "n_prompt": n_prompt,
+                "n_gen": n_gen,
+                "n_ctx": int(llama_cpp.llama_n_ctx(ctx)),
+                "n_batch": n_batch,
+                "n_ubatch": N_UBATCH,
+                "samples_ns": samples,
+                "avg_ts": avg,
+                "stddev_ts": sd,
+                "rss_bytes": snap["peak_rss"],
+                "rss_now_bytes": snap["rss"],
+                "file_backed_bytes": snap["model_file"],
+                "anon_bytes": anon,
+                "process_anon_bytes": snap["anon"],
+                "process_file_bytes": snap["file"],
+                "baseline_rss_bytes": baseline["rss"],
+                "baseline_anon_bytes": baseline["anon"],
+                "kv_buffer_bytes": buffers["KV"],
+                "compute_buffer_bytes": buffers["compute"],
+                "output_buffer_bytes": buffers["output"],
+                "threadpool": pool.ptr is not None,
+                **_device_split(log_lines[:n_model_log] + log_lines[n_log:]),
+            }
+        )
         pool.close()
         llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)

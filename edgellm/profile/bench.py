@@ -28,8 +28,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from edgellm.engine import backends, hardware
 from edgellm.engine.gpu import plan_offload
@@ -39,13 +40,8 @@ from edgellm.engine.runtime import default_threads
 from edgellm.errors import BackendCrash, Cancelled, RuntimeFailure, UsageError
 from edgellm.gguf.reader import read_gguf, split_set
 from edgellm.models.resolve import resolve
-from edgellm.profile.llama_bench import (
-    _attach_llama_bench,
-)
-from edgellm.profile.results import (
-    machine_id,
-    save_results,
-)
+from edgellm.profile.llama_bench import _attach_llama_bench
+from edgellm.profile.results import machine_id, save_results
 from edgellm.profile.rows import Bandwidth, BenchRow
 from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
 
@@ -101,32 +97,73 @@ def bench(
     mid, stamp = machine_id(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     all_rows: list[BenchRow] = []
     for mi, (label, path, info, files) in enumerate(targets):
-        plan = _gpu_plan(path, info, n_gpu_layers, ctx=n_ctx or max(pp, tg), gpu_device=gpu_device, gpu_mem=gpu_mem,
-                         warn=warn or (lambda m: log.warning("%s", m)))
-        req = {"path": str(path), "files": files, "threads": n_threads, "repetitions": repetitions, "tests": tests,
-               "n_ctx": n_ctx, "use_mmap": use_mmap, "mlock": mlock, **plan.llama_kwargs()}
+        plan = _gpu_plan(
+            path,
+            info,
+            n_gpu_layers,
+            ctx=n_ctx or max(pp, tg),
+            gpu_device=gpu_device,
+            gpu_mem=gpu_mem,
+            warn=warn or (lambda m: log.warning("%s", m)),
+        )
+        req = {
+            "path": str(path),
+            "files": files,
+            "threads": n_threads,
+            "repetitions": repetitions,
+            "tests": tests,
+            "n_ctx": n_ctx,
+            "use_mmap": use_mmap,
+            "mlock": mlock,
+            **plan.llama_kwargs(),
+        }
         total = len(tests) * repetitions * len(targets)
 
-        def forward(ev: dict[str, Any], mi=mi, label=label) -> None:
+        def forward(ev: dict[str, Any], mi=mi, label=label, total=total) -> None:
             done = mi * len(tests) * repetitions + ev["done"] + (repetitions if ev["test"] != tests[0]["name"] else 0)
             on_progress(Progress("bench", done, total, "rep", f"{label} {ev['test']} {ev['done']}/{ev['total']}"))
 
         raw_rows, done = _run_worker(req, label=label, on_event=forward, cancel=cancel)
         for r in raw_rows:
             row = BenchRow(
-                model=label, model_filename=str(path), model_type=info.level, model_size=int(info.tensor_bytes),
-                model_n_params=int(info.parameters), test=r["test"], n_prompt=r["n_prompt"], n_gen=r["n_gen"],
-                n_threads=n_threads, n_ctx=r["n_ctx"], n_batch=r["n_batch"], n_ubatch=r["n_ubatch"],
-                n_gpu_layers=r.get("offloaded_layers", 0), use_mmap=use_mmap, mlock=mlock, samples_ns=r["samples_ns"],
-                avg_ts=r["avg_ts"], stddev_ts=r["stddev_ts"], rss_bytes=r["rss_bytes"],
-                file_backed_bytes=r["file_backed_bytes"], anon_bytes=r["anon_bytes"],
-                kv_bytes=kv_bytes_per_token(info) * r["n_ctx"], kv_buffer_bytes=r["kv_buffer_bytes"],
-                compute_buffer_bytes=r["compute_buffer_bytes"], output_buffer_bytes=r["output_buffer_bytes"],
-                load_seconds=done["load_seconds"], ttft_seconds=done["ttft_seconds"],
-                file_bytes=sum(Path(f).stat().st_size for f in files), machine_id=mid, timestamp=stamp,
+                model=label,
+                model_filename=str(path),
+                model_type=info.level,
+                model_size=int(info.tensor_bytes),
+                model_n_params=int(info.parameters),
+                test=r["test"],
+                n_prompt=r["n_prompt"],
+                n_gen=r["n_gen"],
+                n_threads=n_threads,
+                n_ctx=r["n_ctx"],
+                n_batch=r["n_batch"],
+                n_ubatch=r["n_ubatch"],
+                n_gpu_layers=r.get("offloaded_layers", 0),
+                use_mmap=use_mmap,
+                mlock=mlock,
+                samples_ns=r["samples_ns"],
+                avg_ts=r["avg_ts"],
+                stddev_ts=r["stddev_ts"],
+                rss_bytes=r["rss_bytes"],
+                file_backed_bytes=r["file_backed_bytes"],
+                anon_bytes=r["anon_bytes"],
+                kv_bytes=kv_bytes_per_token(info) * r["n_ctx"],
+                kv_buffer_bytes=r["kv_buffer_bytes"],
+                compute_buffer_bytes=r["compute_buffer_bytes"],
+                output_buffer_bytes=r["output_buffer_bytes"],
+                load_seconds=done["load_seconds"],
+                ttft_seconds=done["ttft_seconds"],
+                file_bytes=sum(Path(f).stat().st_size for f in files),
+                machine_id=mid,
+                timestamp=stamp,
                 gpu_device=plan.device.label if plan.device and r.get("offloaded_layers") else "",
-                device_bytes=r.get("device_bytes", 0), host_bytes=r.get("host_bytes", 0),
-                extra={k: r[k] for k in ("process_anon_bytes", "process_file_bytes", "baseline_rss_bytes", "rss_now_bytes", "threadpool") if k in r},
+                device_bytes=r.get("device_bytes", 0),
+                host_bytes=r.get("host_bytes", 0),
+                extra={
+                    k: r[k]
+                    for k in ("process_anon_bytes", "process_file_bytes", "baseline_rss_bytes", "rss_now_bytes", "threadpool")
+                    if k in r
+                },
             )
             if bw is not None:
                 row.bandwidth_bytes_per_s = bw.read_bytes_per_s
@@ -136,9 +173,18 @@ def bench(
                     row.roofline_fraction = row.avg_ts / row.roofline_ts
             all_rows.append(row)
     if compare_llama_bench:
-        _attach_llama_bench(all_rows, [t[1] for t in targets], pp=pp, tg=tg, repetitions=repetitions, threads=n_threads,
-                            use_mmap=use_mmap, mlock=mlock, n_gpu_layers=all_rows[0].n_gpu_layers if all_rows else 0,
-                            cancel=cancel)
+        _attach_llama_bench(
+            all_rows,
+            [t[1] for t in targets],
+            pp=pp,
+            tg=tg,
+            repetitions=repetitions,
+            threads=n_threads,
+            use_mmap=use_mmap,
+            mlock=mlock,
+            n_gpu_layers=all_rows[0].n_gpu_layers if all_rows else 0,
+            cancel=cancel,
+        )
     if save:
         for label, *_ in targets:
             save_results(label, [r for r in all_rows if r.model == label], bandwidth=bw)
@@ -179,9 +225,15 @@ def _run_worker(req: dict[str, Any], *, label: str, on_event, cancel: Optional[C
     pkg_parent = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "edgellm.profile._worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "edgellm.profile._worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+        )
+        lines: queue.Queue[Optional[str]] = queue.Queue()
 
         def pump() -> None:
             assert proc.stdout is not None
@@ -273,6 +325,7 @@ def measure_bandwidth_now(*, threads: int = 1, size_bytes: int = BANDWIDTH_BYTES
         def read(a: int, b: int) -> None:
             memchr(base + a, 1, b - a)
     except (OSError, AttributeError):  # no C library to call (not seen on Linux or macOS): numpy's SIMD max
+
         def read(a: int, b: int) -> None:
             src[a:b].max()
 

@@ -13,9 +13,10 @@ compute saves or costs. With --compare-llama-bench, llama.cpp's own
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from edgellm.engine.rpc import prepare
 from edgellm.engine.runtime import default_threads
@@ -47,14 +48,31 @@ class RpcBenchRow:
 
 def llama_bench_args(plan: Any) -> list[str]:
     """llama-bench's flags for the plan's split: RPC devices come first in its device list, as in ours."""
-    return ["--rpc", ",".join(str(w.endpoint) for w in plan.workers), "-ngl", str(plan.n_gpu_layers),
-            "-ts", "/".join(f"{x:g}" for x in plan.tensor_split)]
+    return [
+        "--rpc",
+        ",".join(str(w.endpoint) for w in plan.workers),
+        "-ngl",
+        str(plan.n_gpu_layers),
+        "-ts",
+        "/".join(f"{x:g}" for x in plan.tensor_split),
+    ]
 
 
-def bench_rpc(model: str, rpc: str, *, rpc_split: Optional[str] = None, pp: int = 512, tg: int = 128, repetitions: int = 5,
-              threads: Optional[int] = None, n_ctx: Optional[int] = None, compare_llama_bench: bool = False,
-              on_plan: Callable[[Any], None] = lambda p: None, on_progress: ProgressCallback = no_progress,
-              cancel: Optional[CancelToken] = None) -> tuple[Any, list[RpcBenchRow]]:
+def bench_rpc(
+    model: str,
+    rpc: str,
+    *,
+    rpc_split: Optional[str] = None,
+    pp: int = 512,
+    tg: int = 128,
+    repetitions: int = 5,
+    threads: Optional[int] = None,
+    n_ctx: Optional[int] = None,
+    compare_llama_bench: bool = False,
+    on_plan: Callable[[Any], None] = lambda p: None,
+    on_progress: ProgressCallback = no_progress,
+    cancel: Optional[CancelToken] = None,
+) -> tuple[Any, list[RpcBenchRow]]:
     _validate(pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx)
     res = resolve(str(model))
     read_gguf(res.path)
@@ -63,12 +81,24 @@ def bench_rpc(model: str, rpc: str, *, rpc_split: Optional[str] = None, pp: int 
     plan = prepare(res.path, rpc, n_ctx=n_ctx or (pp + tg), split=rpc_split)
     on_plan(plan)
     tests = [{"name": f"pp{pp}", "n_prompt": pp, "n_gen": 0}] + ([{"name": f"tg{tg}", "n_prompt": 0, "n_gen": tg}] if tg else [])
-    base = {"path": str(res.path), "files": [str(p) for p in split_set(res.path)], "threads": n_threads,
-            "repetitions": repetitions, "tests": tests, "n_ctx": n_ctx, "use_mmap": True, "mlock": False}
-    split = {"endpoints": [str(w.endpoint) for w in plan.workers], "n_gpu_layers": plan.n_gpu_layers,
-             "tensor_split": plan.tensor_split}
+    base = {
+        "path": str(res.path),
+        "files": [str(p) for p in split_set(res.path)],
+        "threads": n_threads,
+        "repetitions": repetitions,
+        "tests": tests,
+        "n_ctx": n_ctx,
+        "use_mmap": True,
+        "mlock": False,
+    }
+    split = {
+        "endpoints": [str(w.endpoint) for w in plan.workers],
+        "n_gpu_layers": plan.n_gpu_layers,
+        "tensor_split": plan.tensor_split,
+    }
     runs: dict[str, list[dict]] = {}
     for k, (name, req) in enumerate([("local", base), ("rpc", {**base, "rpc": split})]):
+
         def forward(ev: dict[str, Any], k=k, name=name) -> None:
             on_progress(_progress(ev, k, len(tests), repetitions, f"{label} {name} {ev['test']}"))
 
@@ -78,11 +108,30 @@ def bench_rpc(model: str, rpc: str, *, rpc_split: Optional[str] = None, pp: int 
     for r in runs["rpc"]:
         lo = local[r["test"]]
         share = max(0.0, 1.0 - r["avg_ts"] / lo["avg_ts"]) if lo["avg_ts"] > 0 else 0.0
-        rows.append(RpcBenchRow(label, r["test"], r["n_prompt"], r["n_gen"], n_threads, r["avg_ts"], r["stddev_ts"],
-                                lo["avg_ts"], lo["stddev_ts"], share))
+        rows.append(
+            RpcBenchRow(
+                label,
+                r["test"],
+                r["n_prompt"],
+                r["n_gen"],
+                n_threads,
+                r["avg_ts"],
+                r["stddev_ts"],
+                lo["avg_ts"],
+                lo["stddev_ts"],
+                share,
+            )
+        )
     if compare_llama_bench:
-        records = run_llama_bench([Path(res.path)], pp=pp, tg=tg, repetitions=repetitions, threads=n_threads,
-                                  extra_args=llama_bench_args(plan), cancel=cancel)
+        records = run_llama_bench(
+            [Path(res.path)],
+            pp=pp,
+            tg=tg,
+            repetitions=repetitions,
+            threads=n_threads,
+            extra_args=llama_bench_args(plan),
+            cancel=cancel,
+        )
         by_test = {(int(x["n_prompt"]), int(x["n_gen"])): x for x in records}
         for row in rows:
             x = by_test.get((row.n_prompt, row.n_gen))
@@ -103,13 +152,21 @@ def render(rows: list[RpcBenchRow]) -> str:
     head = ["model", "test", "rpc t/s", "local t/s", "network share"] + (["llama-bench --rpc t/s", "ratio"] if anchor else [])
     table = [head]
     for r in rows:
-        cells = [r.model, r.test, f"{r.rpc_ts:.2f} ± {r.rpc_stddev_ts:.2f}", f"{r.local_ts:.2f} ± {r.local_stddev_ts:.2f}",
-                 f"{100 * r.network_share:.0f}%"]
+        cells = [
+            r.model,
+            r.test,
+            f"{r.rpc_ts:.2f} ± {r.rpc_stddev_ts:.2f}",
+            f"{r.local_ts:.2f} ± {r.local_stddev_ts:.2f}",
+            f"{100 * r.network_share:.0f}%",
+        ]
         if anchor:
-            cells += ["-" if r.llama_bench_rpc_ts is None else f"{r.llama_bench_rpc_ts:.2f}", "-" if r.ratio is None else f"{r.ratio:.3f}x"]
+            cells += [
+                "-" if r.llama_bench_rpc_ts is None else f"{r.llama_bench_rpc_ts:.2f}",
+                "-" if r.ratio is None else f"{r.ratio:.3f}x",
+            ]
         table.append(cells)
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in table)
 
 
 def as_bench_rows(plan: Any, rows: list[RpcBenchRow]) -> list[dict[str, Any]]:
@@ -118,12 +175,27 @@ def as_bench_rows(plan: Any, rows: list[RpcBenchRow]) -> list[dict[str, Any]]:
     what a split run does not measure is None, and `rpc` holds what only it has."""
     remote = sum(dev.total_bytes for dev in plan.devices[1:])
     workers = ", ".join(str(w.endpoint) for w in plan.workers)
-    return [{"model": r.model, "test": r.test, "avg_ts": r.rpc_ts, "stddev_ts": r.rpc_stddev_ts, "ttft_seconds": None,
-             "load_seconds": None, "n_gpu_layers": plan.n_gpu_layers, "device_bytes": remote,
-             "host_bytes": plan.devices[0].total_bytes, "rss_bytes": None, "file_backed_bytes": None,
-             "anon_bytes": None, "kv_bytes": None, "timestamp": "rpc", "samples_ts": [],
-             "rpc": {"local_ts": r.local_ts, "network_share": r.network_share, "workers": workers}}
-            for r in rows]
+    return [
+        {
+            "model": r.model,
+            "test": r.test,
+            "avg_ts": r.rpc_ts,
+            "stddev_ts": r.rpc_stddev_ts,
+            "ttft_seconds": None,
+            "load_seconds": None,
+            "n_gpu_layers": plan.n_gpu_layers,
+            "device_bytes": remote,
+            "host_bytes": plan.devices[0].total_bytes,
+            "rss_bytes": None,
+            "file_backed_bytes": None,
+            "anon_bytes": None,
+            "kv_bytes": None,
+            "timestamp": "rpc",
+            "samples_ts": [],
+            "rpc": {"local_ts": r.local_ts, "network_share": r.network_share, "workers": workers},
+        }
+        for r in rows
+    ]
 
 
 __all__ = ["RpcBenchRow", "as_bench_rows", "bench_rpc", "llama_bench_args", "render"]

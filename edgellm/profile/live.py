@@ -53,7 +53,7 @@ class LiveSampler:
         except Exception:
             return 0
 
-    def start(self) -> "LiveSampler":
+    def start(self) -> LiveSampler:
         if self._thread is None:
             self._t0 = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="edgellm-live-sampler", daemon=True)
@@ -66,7 +66,7 @@ class LiveSampler:
             self._thread.join(timeout=max(1.0, 2 * self.interval))
             self._thread = None
 
-    def __enter__(self) -> "LiveSampler":
+    def __enter__(self) -> LiveSampler:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -113,7 +113,11 @@ class LiveSampler:
             self._peak = max(self._peak, rss)
             elapsed = now - self._t0
             return LiveSnapshot(
-                tokens=self._count, elapsed_seconds=elapsed, tokens_per_second=self._rate(now),
+                tokens=self._count,
+                elapsed_seconds=elapsed,
+                tokens_per_second=self._rate(now),
                 average_tokens_per_second=self._count / elapsed if elapsed > 0 else 0.0,
-                rss_bytes=rss, peak_rss_bytes=self._peak, samples=list(self._samples),
+                rss_bytes=rss,
+                peak_rss_bytes=self._peak,
+                samples=list(self._samples),
             )

@@ -7,8 +7,9 @@ import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from edgellm.errors import Cancelled, RuntimeFailure, UsageError
 from edgellm.paths import cache_dir
@@ -51,8 +52,17 @@ def find_llama_tool(name: str) -> Path:
 
 
 def run_llama_bench(
-    paths: Sequence[Path], *, pp: int, tg: int, repetitions: int, threads: int, use_mmap: bool = True,
-    mlock: bool = False, n_gpu_layers: int = 0, exe: Optional[Path] = None, cancel: Optional[CancelToken] = None,
+    paths: Sequence[Path],
+    *,
+    pp: int,
+    tg: int,
+    repetitions: int,
+    threads: int,
+    use_mmap: bool = True,
+    mlock: bool = False,
+    n_gpu_layers: int = 0,
+    exe: Optional[Path] = None,
+    cancel: Optional[CancelToken] = None,
     extra_args: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """llama-bench's own JSON records for `paths`, same tests, threads and load mode."""
@@ -61,8 +71,22 @@ def run_llama_bench(
     cmd = [str(exe)]
     for p in paths:
         cmd += ["-m", str(p)]
-    cmd += ["-p", str(pp), "-n", str(tg), "-r", str(repetitions), "-t", str(threads), "-lm", mode,
-            "-ngl", str(n_gpu_layers), "-o", "json"]
+    cmd += [
+        "-p",
+        str(pp),
+        "-n",
+        str(tg),
+        "-r",
+        str(repetitions),
+        "-t",
+        str(threads),
+        "-lm",
+        mode,
+        "-ngl",
+        str(n_gpu_layers),
+        "-o",
+        "json",
+    ]
     if extra_args:  # e.g. --rpc with the split's -ngl/-ts (edgellm.profile.bench_rpc); a later -ngl wins
         cmd += list(extra_args)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -9,8 +9,9 @@ import os
 import platform
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from edgellm.engine.hardware import cpu_model, memory
 from edgellm.errors import UsageError
@@ -49,9 +50,13 @@ def save_results(model: str, rows: list[BenchRow], *, bandwidth: Optional[Bandwi
 
     mid = rows[0].machine_id if rows else machine_id()
     doc = {
-        "model": model, "machine_id": mid, "cpu": cpu_model(), "cpu_count": os.cpu_count(),
+        "model": model,
+        "machine_id": mid,
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
         "timestamp": rows[0].timestamp if rows else time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "bandwidth": bandwidth.to_json() if bandwidth else None, "rows": [r.to_json() for r in rows],
+        "bandwidth": bandwidth.to_json() if bandwidth else None,
+        "rows": [r.to_json() for r in rows],
     }
     target = _results_folder() / f"{_safe(model)}-{mid}.json"
     atomic_write_text(target, json.dumps(doc, indent=2))
@@ -94,14 +99,17 @@ def write_plot(rows: Sequence[BenchRow], path: Path | str) -> Path:
         if r.model not in labels:
             labels.append(r.model)
     tests = sorted({r.test for r in rows}, key=lambda t: (not t.startswith("pp"), t))
-    series = {t: [next(((r.avg_ts, r.stddev_ts) for r in rows if r.model == m and r.test == t), (0.0, 0.0)) for m in labels] for t in tests}
+    series = {
+        t: [next(((r.avg_ts, r.stddev_ts) for r in rows if r.model == m and r.test == t), (0.0, 0.0)) for m in labels]
+        for t in tests
+    }
     levels = [next(r.model_type for r in rows if r.model == m) for m in labels]
     if len(set(levels)) == len(levels) and all(levels):
         labels = levels  # "tokens/s per level" reads best with the level alone
     plt = pyplot()
     with atomic_path(path) as tmp:
         fig, axes = plt.subplots(1, len(tests), figsize=(4 * len(tests), 3.5), squeeze=False)
-        for ax, t in zip(axes[0], tests):
+        for ax, t in zip(axes[0], tests, strict=False):
             vals = series[t]
             ax.bar(range(len(labels)), [v for v, _ in vals], yerr=[s for _, s in vals], capsize=3)
             ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)

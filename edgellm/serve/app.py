@@ -24,19 +24,20 @@ import logging
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from edgellm import __version__
 from edgellm.engine.runtime import KV_BYTES_PER_ELEMENT, RuntimeOptions
 from edgellm.errors import UsageError
 from edgellm.fsutil import human_size
-from edgellm.units import is_loopback
 from edgellm.serve import ollama_routes, openai_routes
 from edgellm.serve.common import ServeContext, json_response
 from edgellm.serve.metrics import CountStatus, Metrics
 from edgellm.serve.pool import ApiError, ModelPool
 from edgellm.serve.requests import _Models, parse_chat, parse_completion
+from edgellm.units import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,10 @@ def bind_warning(host: str, api_key: Optional[str]) -> Optional[str]:
     """The warning printed when the server is reachable from other machines without a key."""
     if is_loopback(host) or api_key:
         return None
-    return (f"serving on {host} without --api-key: anyone who can reach this port can use your models; "
-            "pass --api-key KEY (or bind 127.0.0.1)")
+    return (
+        f"serving on {host} without --api-key: anyone who can reach this port can use your models; "
+        "pass --api-key KEY (or bind 127.0.0.1)"
+    )
 
 
 def _error_response(e: ApiError):
@@ -92,9 +95,14 @@ def create_app(config: ServerConfig, *, pool: Optional[ModelPool] = None):
     from starlette.middleware import Middleware
     from starlette.responses import PlainTextResponse
 
-    pool = pool or ModelPool(max_loaded=config.max_loaded, queue_size=config.queue_size,
-                             n_ctx=config.n_ctx, n_threads=config.n_threads, parallel=config.parallel,
-                             runtime_options=_rpc_options(config))
+    pool = pool or ModelPool(
+        max_loaded=config.max_loaded,
+        queue_size=config.queue_size,
+        n_ctx=config.n_ctx,
+        n_threads=config.n_threads,
+        parallel=config.parallel,
+        runtime_options=_rpc_options(config),
+    )
     metrics = Metrics()
     fingerprint = f"edgellm-{__version__}"
 
@@ -124,7 +132,11 @@ def create_app(config: ServerConfig, *, pool: Optional[ModelPool] = None):
 
     async def on_http_error(request: Request, exc: Exception):
         status = getattr(exc, "status_code", 500)
-        msg = "Not found: see GET /v1/models, POST /v1/chat/completions, POST /v1/completions" if status == 404 else str(getattr(exc, "detail", exc))
+        msg = (
+            "Not found: see GET /v1/models, POST /v1/chat/completions, POST /v1/completions"
+            if status == 404
+            else str(getattr(exc, "detail", exc))
+        )
         return _error_response(ApiError(status, msg, code="not_found" if status == 404 else None))
 
     async def on_crash(request: Request, exc: Exception):
@@ -192,8 +204,14 @@ def serve(config: ServerConfig, *, on_ready: Callable[[str, Any], None] = lambda
             threading.Thread(target=app.state.pool.begin_shutdown, name="edgellm-serve-stop", daemon=True).start()
             super().handle_exit(sig, frame)
 
-    uconfig = uvicorn.Config(app, log_level="info" if config.access_log else "warning", access_log=config.access_log,
-                             lifespan="on", timeout_graceful_shutdown=10, log_config=None)
+    uconfig = uvicorn.Config(
+        app,
+        log_level="info" if config.access_log else "warning",
+        access_log=config.access_log,
+        lifespan="on",
+        timeout_graceful_shutdown=10,
+        log_config=None,
+    )
     server = _Server(uconfig)
     on_ready(url, app)
     # uvicorn re-raises the signal it caught once it has stopped; no-op handlers make that a clean exit.
@@ -208,8 +226,6 @@ def serve(config: ServerConfig, *, on_ready: Callable[[str, Any], None] = lambda
         app.state.pool.close(timeout=5)
 
 
-
-
 def describe(app: Any) -> str:
     """The start banner's second line: what is served, the parallel slots and the KV memory they share."""
 
@@ -220,9 +236,21 @@ def describe(app: Any) -> str:
 
         ctx = pool.model_ctx(default)
         kv = read_gguf(default.path).kv_cache_bytes(ctx, bytes_per_elem=KV_BYTES_PER_ELEMENT[pool.base_options.kv_type])
-        line += (f"; {default.name}: {ctx} KV cells, {human_size(kv)} of KV cache ({pool.base_options.kv_type}), "
-                 f"up to {ctx // pool.parallel} tokens per request")
+        line += (
+            f"; {default.name}: {ctx} KV cells, {human_size(kv)} of KV cache ({pool.base_options.kv_type}), "
+            f"up to {ctx // pool.parallel} tokens per request"
+        )
     return "edgellm serve: " + line
 
 
-__all__ = ["ServerConfig", "create_app", "serve", "open_socket", "bind_warning", "is_loopback", "parse_chat", "parse_completion", "describe"]
+__all__ = [
+    "ServerConfig",
+    "create_app",
+    "serve",
+    "open_socket",
+    "bind_warning",
+    "is_loopback",
+    "parse_chat",
+    "parse_completion",
+    "describe",
+]

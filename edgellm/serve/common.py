@@ -96,14 +96,21 @@ def json_response(obj: Any, status: int = 200, headers: Optional[dict[str, str]]
 
 
 def usage_and_timings(start: dict[str, Any], st: GenerationStats) -> tuple[dict[str, Any], dict[str, Any]]:
-    usage = {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.generated_tokens,
-             "total_tokens": st.prompt_tokens + st.generated_tokens,
-             "prompt_tokens_details": {"cached_tokens": st.reused_tokens}}
+    usage = {
+        "prompt_tokens": st.prompt_tokens,
+        "completion_tokens": st.generated_tokens,
+        "total_tokens": st.prompt_tokens + st.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": st.reused_tokens},
+    }
     timings = {  # llama.cpp server's names, plus the time queued and loading
-        "queue_ms": round(start["queue_ms"], 3), "load_ms": round(start["load_ms"], 3),
-        "cache_n": st.reused_tokens, "prompt_n": st.evaluated_prompt_tokens,
-        "prompt_ms": round(st.prompt_seconds * 1000, 3), "prompt_per_second": round(st.prompt_tokens_per_second, 3),
-        "predicted_n": st.generated_tokens, "predicted_ms": round(st.generation_seconds * 1000, 3),
+        "queue_ms": round(start["queue_ms"], 3),
+        "load_ms": round(start["load_ms"], 3),
+        "cache_n": st.reused_tokens,
+        "prompt_n": st.evaluated_prompt_tokens,
+        "prompt_ms": round(st.prompt_seconds * 1000, 3),
+        "prompt_per_second": round(st.prompt_tokens_per_second, 3),
+        "predicted_n": st.generated_tokens,
+        "predicted_ms": round(st.generation_seconds * 1000, 3),
         "predicted_per_second": round(st.tokens_per_second, 3),
     }
     return usage, timings
@@ -155,7 +162,7 @@ class Running:
             self.job.cancel.cancel("the client went away")  # a no-op once generation is over
             self.watcher.cancel()
 
-    async def collect(self) -> "Collected":
+    async def collect(self) -> Collected:
         out = Collected()
         async for ev, val in self.events():
             if ev == "text":
@@ -186,8 +193,7 @@ async def submit(ctx: ServeContext, request: Any, spec: ModelSpec, req: JobReque
         try:
             req.tool_plan = await asyncio.to_thread(tools.plan, req.tools, req.messages or [], ctx.models.template_source(spec))
         except Exception as e:  # the schema converter raises assorted types for features it lacks
-            raise _bad(f"cannot turn the tools' schemas into a grammar: {one_line(e)}"[:300],
-                       "tools", "invalid_schema") from None
+            raise _bad(f"cannot turn the tools' schemas into a grammar: {one_line(e)}"[:300], "tools", "invalid_schema") from None
     reply = Reply(asyncio.get_running_loop())
     job = Job(req, reply.emit)
     ctx.pool.submit(spec, job)
@@ -205,5 +211,17 @@ async def submit(ctx: ServeContext, request: Any, spec: ModelSpec, req: JobReque
     return Running(job, reply, start, watcher)
 
 
-__all__ = ["ServeContext", "read_json", "json_response", "usage_and_timings", "Reply", "Running", "Collected", "submit",
-           "FINISH", "MAX_BODY_BYTES", "MAX_JSON_DEPTH", "json_depth"]
+__all__ = [
+    "ServeContext",
+    "read_json",
+    "json_response",
+    "usage_and_timings",
+    "Reply",
+    "Running",
+    "Collected",
+    "submit",
+    "FINISH",
+    "MAX_BODY_BYTES",
+    "MAX_JSON_DEPTH",
+    "json_depth",
+]

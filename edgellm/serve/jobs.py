@@ -4,9 +4,10 @@ worker, and the error type every route turns into an OpenAI- or Ollama-shaped bo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 from edgellm.engine.runtime import SamplingParams
 from edgellm.progress import CancelToken
@@ -15,12 +16,27 @@ from edgellm.progress import CancelToken
 class ApiError(Exception):
     """An error with an HTTP status and an OpenAI-style body."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-             429: "rate_limit_error", 503: "server_error"}
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "invalid_request_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+        503: "server_error",
+    }
 
-    def __init__(self, status: int, message: str, *, type: Optional[str] = None, param: Optional[str] = None,
-                 code: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: Optional[str] = None,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        headers: Optional[dict[str, str]] = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -38,7 +54,12 @@ def shutting_down() -> ApiError:
 
 
 def client_gone() -> ApiError:
-    return ApiError(499, "the request was cancelled before it ran (the client went away)", type="invalid_request_error", code="request_cancelled")
+    return ApiError(
+        499,
+        "the request was cancelled before it ran (the client went away)",
+        type="invalid_request_error",
+        code="request_cancelled",
+    )
 
 
 @dataclass(frozen=True)

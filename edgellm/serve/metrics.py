@@ -47,10 +47,13 @@ class Metrics:
             statuses = sorted(self.by_status.items())
             endpoints = sorted(self.by_endpoint.items())
             calls, replies = self.tool_calls, self.tool_replies
-        metric("requests_total", "counter", "HTTP responses by status code.",
-               [(f'{{status="{s}"}}', n) for s, n in statuses])
-        metric("endpoint_requests_total", "counter", "HTTP responses by endpoint and status code.",
-               [(f'{{endpoint="{_esc(p)}",status="{s}"}}', n) for (p, s), n in endpoints])
+        metric("requests_total", "counter", "HTTP responses by status code.", [(f'{{status="{s}"}}', n) for s, n in statuses])
+        metric(
+            "endpoint_requests_total",
+            "counter",
+            "HTTP responses by endpoint and status code.",
+            [(f'{{endpoint="{_esc(p)}",status="{s}"}}', n) for (p, s), n in endpoints],
+        )
         metric("tool_calls_total", "counter", "Tool calls returned to clients.", [("", calls)])
         metric("tool_call_replies_total", "counter", "Replies that called at least one tool.", [("", replies)])
         per = pool.metrics()
@@ -71,16 +74,24 @@ class Metrics:
         metric("cached_prompt_tokens_total", "counter", "Prompt tokens served from the prefix cache.", by_model("cached_tokens"))
         metric("prefix_cache_hits_total", "counter", "Requests that reused a cached prefix.", by_model("cache_hits"))
         metric("generated_tokens_total", "counter", "Tokens generated.", by_model("generated_tokens"))
-        metric("generated_tokens_per_second", "gauge", "Generated tokens per second since the previous scrape.",
-               [(f'{{model="{_esc(n)}"}}', round(r, 3)) for n, r in rates])
+        metric(
+            "generated_tokens_per_second",
+            "gauge",
+            "Generated tokens per second since the previous scrape.",
+            [(f'{{model="{_esc(n)}"}}', round(r, 3)) for n, r in rates],
+        )
         metric("embedded_inputs_total", "counter", "Inputs embedded (/v1/embeddings, /api/embed).", by_model("embedded_inputs"))
         metric("embedded_tokens_total", "counter", "Tokens of the inputs embedded.", by_model("embedded_tokens"))
         metric("kv_cells_used", "gauge", "KV cache cells in use (running sequences and cached prefixes).", by_model("kv_used"))
-        metric("kv_cells", "gauge", "KV cache cells of the model's context (split between its sequence slots).", by_model("kv_cells"))
+        metric(
+            "kv_cells", "gauge", "KV cache cells of the model's context (split between its sequence slots).", by_model("kv_cells")
+        )
         # speculative decoding, under llama-server's own names (llamacpp:spec_decode_*)
-        for key, name, help_ in (("draft_tokens", "num_draft_tokens_total", "Speculative: Total draft tokens generated"),
-                                 ("draft_accepted", "num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model"),
-                                 ("draft_steps", "num_drafts_total", "Speculative: Total speculative decoding verification steps")):
+        for key, name, help_ in (
+            ("draft_tokens", "num_draft_tokens_total", "Speculative: Total draft tokens generated"),
+            ("draft_accepted", "num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model"),
+            ("draft_steps", "num_drafts_total", "Speculative: Total speculative decoding verification steps"),
+        ):
             out.append(f"# HELP llamacpp:spec_decode_{name} {help_}")
             out.append(f"# TYPE llamacpp:spec_decode_{name} counter")
             out.append(f"llamacpp:spec_decode_{name} {sum(m.get(key, 0) for m in per.values())}")
@@ -92,12 +103,30 @@ class Metrics:
         if per_pos:
             out.append("# HELP llamacpp:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position")
             out.append("# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter")
-            out += [f'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {v}' for i, v in enumerate(per_pos)]
+            out += [
+                f'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {v}' for i, v in enumerate(per_pos)
+            ]
         return "\n".join(out) + "\n"
 
 
-ENDPOINTS = frozenset({"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/health", "/metrics",
-                       "/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/tags", "/api/show", "/api/ps", "/api/version"})
+ENDPOINTS = frozenset(
+    {
+        "/v1/models",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/health",
+        "/metrics",
+        "/api/chat",
+        "/api/generate",
+        "/api/embed",
+        "/api/embeddings",
+        "/api/tags",
+        "/api/show",
+        "/api/ps",
+        "/api/version",
+    }
+)
 
 
 class CountStatus:

@@ -72,8 +72,13 @@ def _chat_messages(msgs: Any) -> list[dict[str, Any]]:
                 fn = (tc or {}).get("function") or {}
                 cid = tools.new_call_id()
                 args = fn.get("arguments", {})
-                calls.append({"id": cid, "type": "function",
-                              "function": {"name": fn.get("name"), "arguments": args if isinstance(args, str) else json.dumps(args)}})
+                calls.append(
+                    {
+                        "id": cid,
+                        "type": "function",
+                        "function": {"name": fn.get("name"), "arguments": args if isinstance(args, str) else json.dumps(args)},
+                    }
+                )
                 open_calls.append((cid, fn.get("name")))
             msg["tool_calls"] = calls
         elif m.get("role") == "tool":
@@ -89,16 +94,27 @@ def _chat_messages(msgs: Any) -> list[dict[str, Any]]:
 def _durations(run: Running, stats: Any) -> dict[str, Any]:
     ns = 1_000_000_000
     load = run.start.get("load_ms", 0.0) * 1e6
-    total = (run.start.get("queue_ms", 0.0) * 1e6 + load + (stats.prompt_seconds + stats.generation_seconds) * ns)
-    return {"total_duration": int(total), "load_duration": int(load), "prompt_eval_count": stats.prompt_tokens,
-            "prompt_eval_duration": int(stats.prompt_seconds * ns), "eval_count": stats.generated_tokens,
-            "eval_duration": int(stats.generation_seconds * ns)}
+    total = run.start.get("queue_ms", 0.0) * 1e6 + load + (stats.prompt_seconds + stats.generation_seconds) * ns
+    return {
+        "total_duration": int(total),
+        "load_duration": int(load),
+        "prompt_eval_count": stats.prompt_tokens,
+        "prompt_eval_duration": int(stats.prompt_seconds * ns),
+        "eval_count": stats.generated_tokens,
+        "eval_duration": int(stats.generation_seconds * ns),
+    }
 
 
 def _details(ctx: ServeContext, m: dict[str, Any]) -> dict[str, Any]:
     arch = m.get("architecture") or ""
-    return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch] if arch else None,
-            "parameter_size": m.get("parameter_size", ""), "quantization_level": (m.get("level") or "").upper()}
+    return {
+        "parent_model": "",
+        "format": "gguf",
+        "family": arch,
+        "families": [arch] if arch else None,
+        "parameter_size": m.get("parameter_size", ""),
+        "quantization_level": (m.get("level") or "").upper(),
+    }
 
 
 # long: the seven routes are closures over the shared context; each is a short translation
@@ -115,6 +131,7 @@ def routes(ctx: ServeContext) -> list[Any]:
                 if e.code == "model_not_found":
                     msg = f"model '{(getattr(request.state, 'model', None) or '')}' not found"
                 return json_response({"error": msg}, e.status, e.headers)
+
         return wrapped
 
     async def body_and_model(request: Any) -> tuple[dict[str, Any], ModelSpec]:
@@ -127,6 +144,7 @@ def routes(ctx: ServeContext) -> list[Any]:
         async def gen():
             async for obj in lines:
                 yield json.dumps(obj) + "\n"
+
         return StreamingResponse(gen(), media_type="application/x-ndjson")
 
     async def reply(request: Any, body: dict[str, Any], spec: ModelSpec, req: Any, key: str):
@@ -150,7 +168,9 @@ def routes(ctx: ServeContext) -> list[Any]:
                 ctx.metrics.count_tool_calls(len(parsed.calls))
                 done[key]["content"] = parsed.content or ""
                 if parsed.calls:
-                    done[key]["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in parsed.calls]
+                    done[key]["tool_calls"] = [
+                        {"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in parsed.calls
+                    ]
                 notes.extend(plan.warnings + parsed.warnings)
             if notes:
                 done["warnings"] = notes
@@ -184,8 +204,15 @@ def routes(ctx: ServeContext) -> list[Any]:
             oa["tools"] = body["tools"]
         req = parse_chat(oa)
         if not body.get("messages"):  # Ollama loads the model for an empty chat and answers done
-            return json_response({"model": body.get("model"), "created_at": _now(), "message": {"role": "assistant", "content": ""},
-                                  "done_reason": "load", "done": True})
+            return json_response(
+                {
+                    "model": body.get("model"),
+                    "created_at": _now(),
+                    "message": {"role": "assistant", "content": ""},
+                    "done_reason": "load",
+                    "done": True,
+                }
+            )
         return await reply(request, body, spec, req, "message")
 
     async def generate(request: Any):
@@ -194,13 +221,17 @@ def routes(ctx: ServeContext) -> list[Any]:
         if not isinstance(prompt, str):
             raise ApiError(400, "'prompt' must be a string", param="prompt", code="invalid_type")
         if not prompt:
-            return json_response({"model": body.get("model"), "created_at": _now(), "response": "", "done": True, "done_reason": "load"})
+            return json_response(
+                {"model": body.get("model"), "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
+            )
         if body.get("raw"):  # the prompt as it is, no template
             oa = _openai_body(body)
             req = parse_completion({"prompt": prompt, **oa})
             req.max_tokens = oa.get("max_tokens")  # Ollama's default: no limit but the context
         else:
-            msgs = ([{"role": "system", "content": body["system"]}] if body.get("system") else []) + [{"role": "user", "content": prompt}]
+            msgs = ([{"role": "system", "content": body["system"]}] if body.get("system") else []) + [
+                {"role": "user", "content": prompt}
+            ]
             req = parse_chat({"messages": msgs, **_openai_body(body)})
         return await reply(request, body, spec, req, "response")
 
@@ -214,8 +245,15 @@ def routes(ctx: ServeContext) -> list[Any]:
         if legacy:
             return json_response({"embedding": res.vectors[0]})
         load = run.start.get("load_ms", 0.0) * 1e6
-        return json_response({"model": body.get("model"), "embeddings": res.vectors, "total_duration": int(load),
-                              "load_duration": int(load), "prompt_eval_count": res.prompt_tokens})
+        return json_response(
+            {
+                "model": body.get("model"),
+                "embeddings": res.vectors,
+                "total_duration": int(load),
+                "load_duration": int(load),
+                "prompt_eval_count": res.prompt_tokens,
+            }
+        )
 
     def listing(loaded_only: bool = False) -> list[dict[str, Any]]:
         loaded = ctx.pool.loaded()
@@ -223,10 +261,20 @@ def routes(ctx: ServeContext) -> list[Any]:
         for m in ctx.models.listing(loaded):
             if loaded_only and not m["loaded"]:
                 continue
-            entry = {"name": m["id"] + ":latest", "model": m["id"] + ":latest", "modified_at": _iso(m["created"]),
-                     "size": m.get("size_bytes") or 0, "digest": m.get("sha256") or "", "details": _details(ctx, m)}
+            entry = {
+                "name": m["id"] + ":latest",
+                "model": m["id"] + ":latest",
+                "modified_at": _iso(m["created"]),
+                "size": m.get("size_bytes") or 0,
+                "digest": m.get("sha256") or "",
+                "details": _details(ctx, m),
+            }
             if loaded_only:
-                entry.update(expires_at=_iso(2**31 - 1), size_vram=0, context_length=ctx.pool.model_ctx(ctx.models.find(m["id"])) // ctx.pool.parallel)
+                entry.update(
+                    expires_at=_iso(2**31 - 1),
+                    size_vram=0,
+                    context_length=ctx.pool.model_ctx(ctx.models.find(m["id"])) // ctx.pool.parallel,
+                )
             out.append(entry)
         return out
 
@@ -246,25 +294,39 @@ def routes(ctx: ServeContext) -> list[Any]:
         m = next((m for m in ctx.models.listing(ctx.pool.loaded()) if m["id"] == spec.name), {"architecture": info.architecture})
         m.setdefault("level", info.level)
         caps = ["completion", "tools", "embedding"]
-        model_info = {"general.architecture": info.architecture, "general.name": info.name, "general.parameter_count": info.parameters,
-                      f"{info.architecture}.context_length": info.context_length,
-                      f"{info.architecture}.embedding_length": info.embedding_length,
-                      f"{info.architecture}.block_count": info.block_count}
-        return json_response({"modelfile": f"FROM {spec.path}\n", "parameters": "", "template": info.chat_template or "",
-                              "details": _details(ctx, {**m, "parameter_size": _params(info.parameters)}), "model_info": model_info,
-                              "capabilities": caps, "modified_at": _iso(spec.path.stat().st_mtime)})
+        model_info = {
+            "general.architecture": info.architecture,
+            "general.name": info.name,
+            "general.parameter_count": info.parameters,
+            f"{info.architecture}.context_length": info.context_length,
+            f"{info.architecture}.embedding_length": info.embedding_length,
+            f"{info.architecture}.block_count": info.block_count,
+        }
+        return json_response(
+            {
+                "modelfile": f"FROM {spec.path}\n",
+                "parameters": "",
+                "template": info.chat_template or "",
+                "details": _details(ctx, {**m, "parameter_size": _params(info.parameters)}),
+                "model_info": model_info,
+                "capabilities": caps,
+                "modified_at": _iso(spec.path.stat().st_mtime),
+            }
+        )
 
     async def version(request: Any):
         return json_response({"version": API_VERSION})
 
-    return [Route("/api/chat", ollama_errors(chat), methods=["POST"]),
-            Route("/api/generate", ollama_errors(generate), methods=["POST"]),
-            Route("/api/embed", ollama_errors(embed), methods=["POST"]),
-            Route("/api/embeddings", ollama_errors(embed), methods=["POST"]),
-            Route("/api/tags", ollama_errors(tags), methods=["GET"]),
-            Route("/api/ps", ollama_errors(ps), methods=["GET"]),
-            Route("/api/show", ollama_errors(show), methods=["POST"]),
-            Route("/api/version", ollama_errors(version), methods=["GET"])]
+    return [
+        Route("/api/chat", ollama_errors(chat), methods=["POST"]),
+        Route("/api/generate", ollama_errors(generate), methods=["POST"]),
+        Route("/api/embed", ollama_errors(embed), methods=["POST"]),
+        Route("/api/embeddings", ollama_errors(embed), methods=["POST"]),
+        Route("/api/tags", ollama_errors(tags), methods=["GET"]),
+        Route("/api/ps", ollama_errors(ps), methods=["GET"]),
+        Route("/api/show", ollama_errors(show), methods=["POST"]),
+        Route("/api/version", ollama_errors(version), methods=["GET"]),
+    ]
 
 
 def _num_ctx_note(ctx: ServeContext, spec: ModelSpec, body: dict[str, Any]) -> list[str]:
@@ -272,8 +334,10 @@ def _num_ctx_note(ctx: ServeContext, spec: ModelSpec, body: dict[str, Any]) -> l
     n = (body.get("options") or {}).get("num_ctx")
     limit = ctx.pool.model_ctx(spec) // ctx.pool.parallel
     if isinstance(n, int) and not isinstance(n, bool) and n > limit:
-        return [f"options.num_ctx {n} is more than a request gets on this server ({limit} tokens: --ctx / --parallel); "
-                f"it runs with {limit}"]
+        return [
+            f"options.num_ctx {n} is more than a request gets on this server ({limit} tokens: --ctx / --parallel); "
+            f"it runs with {limit}"
+        ]
     return []
 
 

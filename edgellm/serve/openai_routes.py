@@ -26,9 +26,18 @@ def _token_str(b: bytes) -> str:
 
 def chat_logprobs(entries: list[Any]) -> dict[str, Any]:
     """OpenAI's chat `logprobs`: one item per token with its bytes and the top alternatives."""
-    return {"content": [{"token": _token_str(e.text), "logprob": e.logprob, "bytes": list(e.text),
-                         "top_logprobs": [{"token": _token_str(b), "logprob": lp, "bytes": list(b)} for _, b, lp in e.top]}
-                        for e in entries], "refusal": None}
+    return {
+        "content": [
+            {
+                "token": _token_str(e.text),
+                "logprob": e.logprob,
+                "bytes": list(e.text),
+                "top_logprobs": [{"token": _token_str(b), "logprob": lp, "bytes": list(b)} for _, b, lp in e.top],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
 
 
 def completion_logprobs(entries: list[Any], offset: int = 0) -> dict[str, Any]:
@@ -39,8 +48,12 @@ def completion_logprobs(entries: list[Any], offset: int = 0) -> dict[str, Any]:
         t = _token_str(e.text)
         tokens.append(t)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_token_str(b): lp for _, b, lp in e.top} for e in entries], "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{_token_str(b): lp for _, b, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def _message(run: Running, text: str, stats: Any) -> tuple[dict[str, Any], str, list[str]]:
@@ -69,8 +82,12 @@ def routes(ctx: ServeContext) -> list[Any]:
         opts = body.get("stream_options")
         include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
         run = await submit(ctx, request, spec, req, stream=stream)
-        meta = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
-                "model": spec.name, "system_fingerprint": ctx.fingerprint}
+        meta = {
+            "id": ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24],
+            "created": int(time.time()),
+            "model": spec.name,
+            "system_fingerprint": ctx.fingerprint,
+        }
         if stream:
             return _sse(ctx, run, kind, meta, include_usage)
         got = await run.collect()
@@ -87,8 +104,16 @@ def routes(ctx: ServeContext) -> list[Any]:
         else:
             lp = completion_logprobs(got.logprobs) if req.logprobs is not None else None
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": FINISH.get(got.stats.stop_reason, "stop")}
-        return json_response({**meta, "object": "chat.completion" if kind == "chat" else "text_completion",
-                              "choices": [choice], "usage": usage, "timings": timings, **extra})
+        return json_response(
+            {
+                **meta,
+                "object": "chat.completion" if kind == "chat" else "text_completion",
+                "choices": [choice],
+                "usage": usage,
+                "timings": timings,
+                **extra,
+            }
+        )
 
     async def chat_route(request: Any):
         return await completions(request, "chat")
@@ -104,18 +129,24 @@ def routes(ctx: ServeContext) -> list[Any]:
         got = await (await submit(ctx, request, spec, req)).collect()
         return json_response(embeddings_body(got.embeddings, spec.name, fmt))
 
-    return [Route("/v1/chat/completions", chat_route, methods=["POST"]),
-            Route("/v1/completions", completion_route, methods=["POST"]),
-            Route("/v1/embeddings", embeddings_route, methods=["POST"])]
+    return [
+        Route("/v1/chat/completions", chat_route, methods=["POST"]),
+        Route("/v1/completions", completion_route, methods=["POST"]),
+        Route("/v1/embeddings", embeddings_route, methods=["POST"]),
+    ]
 
 
 def embeddings_body(res: Any, model: str, fmt: str) -> dict[str, Any]:
     def enc(v: list[float]) -> Any:
         return base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode("ascii") if fmt == "base64" else v
 
-    body = {"object": "list", "model": model, "pooling": res.pooling,
-            "data": [{"object": "embedding", "index": i, "embedding": enc(v)} for i, v in enumerate(res.vectors)],
-            "usage": {"prompt_tokens": res.prompt_tokens, "total_tokens": res.prompt_tokens}}
+    body = {
+        "object": "list",
+        "model": model,
+        "pooling": res.pooling,
+        "data": [{"object": "embedding", "index": i, "embedding": enc(v)} for i, v in enumerate(res.vectors)],
+        "usage": {"prompt_tokens": res.prompt_tokens, "total_tokens": res.prompt_tokens},
+    }
     if res.warnings:
         body["warnings"] = res.warnings
     return body
@@ -130,8 +161,13 @@ def _sse(ctx: ServeContext, run: Running, kind: str, meta: dict[str, Any], inclu
     plan = run.start.get("plan")
     hold = plan is not None and bool(plan.request.offered())  # tool replies are parsed whole, then sent
 
-    def chunk(delta: Optional[dict[str, Any]] = None, finish: Optional[str] = None, lps: Optional[list[Any]] = None,
-              text: str = "", **extra: Any) -> dict:
+    def chunk(
+        delta: Optional[dict[str, Any]] = None,
+        finish: Optional[str] = None,
+        lps: Optional[list[Any]] = None,
+        text: str = "",
+        **extra: Any,
+    ) -> dict:
         lp = None
         if lps is not None and req.logprobs is not None:
             lp = chat_logprobs(lps) if kind == "chat" else completion_logprobs(lps)
@@ -170,7 +206,12 @@ def _sse(ctx: ServeContext, run: Running, kind: str, meta: dict[str, Any], inclu
             if warnings:
                 extra["warnings"] = warnings
             for i, call in enumerate(msg.get("tool_calls", [])):
-                head = {"index": i, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"], "arguments": ""}}
+                head = {
+                    "index": i,
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": ""},
+                }
                 yield chunk({"tool_calls": [head]}, lps=pending if i == 0 else None)
                 yield chunk({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
                 pending = []

@@ -30,11 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from edgellm.engine.memory import DEFAULT_CTX
-from edgellm.engine.runtime import (
-    Runtime,
-    RuntimeOptions,
-    default_threads,
-)
+from edgellm.engine.runtime import Runtime, RuntimeOptions, default_threads
 from edgellm.errors import EdgeLLMError, UsageError
 from edgellm.serve.jobs import ApiError, Job, JobRequest, ModelSpec, client_gone, shutting_down
 from edgellm.serve.prompts import logprob_hook, prepare
@@ -77,9 +73,16 @@ class _Slot:
 class ModelPool:
     """Loaded runtimes (LRU, at most `max_loaded`) and one batching worker thread per model."""
 
-    def __init__(self, *, max_loaded: int = 1, queue_size: int = 16, n_ctx: Optional[int] = None,
-                 n_threads: Optional[int] = None, runtime_options: Optional[RuntimeOptions] = None,
-                 parallel: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        *,
+        max_loaded: int = 1,
+        queue_size: int = 16,
+        n_ctx: Optional[int] = None,
+        n_threads: Optional[int] = None,
+        runtime_options: Optional[RuntimeOptions] = None,
+        parallel: Optional[int] = None,
+    ) -> None:
         if max_loaded < 1 or queue_size < 1:
             raise ValueError("max_loaded and queue_size must be at least 1")
         self.max_loaded = max_loaded
@@ -88,11 +91,13 @@ class ModelPool:
         self.n_threads = n_threads
         self.parallel = parallel or default_parallel()
         if n_ctx is not None and n_ctx // self.parallel < 64:
-            raise UsageError(f"--ctx {n_ctx} leaves {n_ctx // self.parallel} tokens per request with --parallel {self.parallel}; "
-                             "raise --ctx or lower --parallel")
+            raise UsageError(
+                f"--ctx {n_ctx} leaves {n_ctx // self.parallel} tokens per request with --parallel {self.parallel}; "
+                "raise --ctx or lower --parallel"
+            )
         self.base_options = runtime_options or RuntimeOptions()
         self._cond = threading.Condition()
-        self._slots: "collections.OrderedDict[str, _Slot]" = collections.OrderedDict()  # least recently used first
+        self._slots: collections.OrderedDict[str, _Slot] = collections.OrderedDict()  # least recently used first
         self._load_line: collections.deque = collections.deque()
         self._closing = False
         self.finished: collections.Counter = collections.Counter()  # stop reasons, for /metrics
@@ -119,8 +124,10 @@ class ModelPool:
                 waves = math.ceil((len(slot.jobs) + 1) / self.parallel)
                 wait = max(1, math.ceil(slot.avg_job_seconds * waves))
                 raise ApiError(
-                    429, f"the queue for model '{spec.name}' is full ({len(slot.jobs)} waiting); retry after {wait} s",
-                    code="rate_limit_exceeded", headers={"Retry-After": str(wait)},
+                    429,
+                    f"the queue for model '{spec.name}' is full ({len(slot.jobs)} waiting); retry after {wait} s",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": str(wait)},
                 )
             slot.jobs.append(job)
             if slot.thread is None:
@@ -131,8 +138,13 @@ class ModelPool:
     def status(self) -> dict[str, Any]:
         with self._cond:
             return {
-                name: {"loaded": s.runtime is not None, "busy": s.busy, "queued": len(s.jobs), "active": len(s.running),
-                       "served": s.served}
+                name: {
+                    "loaded": s.runtime is not None,
+                    "busy": s.busy,
+                    "queued": len(s.jobs),
+                    "active": len(s.running),
+                    "served": s.served,
+                }
                 for name, s in self._slots.items()
             }
 
@@ -142,13 +154,23 @@ class ModelPool:
             out = {}
             for name, s in self._slots.items():
                 e = s.engine
-                out[name] = {"queued": len(s.jobs), "active": len(s.running), "slots": self.parallel,
-                             "prompt_tokens": e.prompt_tokens if e else 0, "cached_tokens": e.cached_tokens if e else 0,
-                             "generated_tokens": e.generated_tokens if e else 0, "cache_hits": e.cache_hits if e else 0,
-                             "kv_used": e.kv_tokens() if e else 0, "kv_cells": e.n_ctx if e else 0,
-                             "embedded_inputs": s.embedded_inputs, "embedded_tokens": s.embedded_tokens,
-                             "draft_tokens": e.drafts.drafted if e else 0, "draft_accepted": e.drafts.accepted if e else 0,
-                             "draft_steps": e.drafts.steps if e else 0, "draft_per_pos": list(e.drafts.per_pos) if e else []}
+                out[name] = {
+                    "queued": len(s.jobs),
+                    "active": len(s.running),
+                    "slots": self.parallel,
+                    "prompt_tokens": e.prompt_tokens if e else 0,
+                    "cached_tokens": e.cached_tokens if e else 0,
+                    "generated_tokens": e.generated_tokens if e else 0,
+                    "cache_hits": e.cache_hits if e else 0,
+                    "kv_used": e.kv_tokens() if e else 0,
+                    "kv_cells": e.n_ctx if e else 0,
+                    "embedded_inputs": s.embedded_inputs,
+                    "embedded_tokens": s.embedded_tokens,
+                    "draft_tokens": e.drafts.drafted if e else 0,
+                    "draft_accepted": e.drafts.accepted if e else 0,
+                    "draft_steps": e.drafts.steps if e else 0,
+                    "draft_per_pos": list(e.drafts.per_pos) if e else [],
+                }
             return out
 
     def loaded(self) -> list[str]:
@@ -234,9 +256,7 @@ class ModelPool:
 
     def _admit(self, slot: _Slot, job: Job) -> None:
         """Seat a job in the engine (loading the model first if needed), or answer it with its error."""
-        from edgellm.engine.batch import (
-            Sequence,  # lazy: loads jinja2, llama_cpp, numpy
-        )
+        from edgellm.engine.batch import Sequence  # lazy: loads jinja2, llama_cpp, numpy
 
         try:
             if job.cancel.cancelled:  # its client left while it waited: never run it
@@ -292,8 +312,13 @@ class ModelPool:
         try:
             res = slot.embedder.embed(inputs)
         except InputTooLong as e:
-            raise ApiError(400, f"This model's maximum context length for embeddings is {e.limit} tokens. However, input[{e.index}] "
-                           f"resulted in {e.n_tokens} tokens. Please shorten it.", param="input", code="context_length_exceeded") from None
+            raise ApiError(
+                400,
+                f"This model's maximum context length for embeddings is {e.limit} tokens. However, input[{e.index}] "
+                f"resulted in {e.n_tokens} tokens. Please shorten it.",
+                param="input",
+                code="context_length_exceeded",
+            ) from None
         except UsageError as e:
             raise ApiError(400, str(e), param="input", code="invalid_value") from None
         with self._cond:
@@ -328,13 +353,19 @@ class ModelPool:
                         raise shutting_down()
                     if self._load_line[0] is slot:
                         while self._full():
-                            victim = next((s for s in self._slots.values()
-                                           if s.runtime is not None and not s.busy and s is not slot), None)
+                            victim = next(
+                                (s for s in self._slots.values() if s.runtime is not None and not s.busy and s is not slot), None
+                            )
                             if victim is None:
                                 break
                             log.info("unloading %s to make room for %s", victim.spec.name, slot.spec.name)
-                            gone = _Slot(victim.spec, runtime=victim.runtime, template=victim.template, engine=victim.engine,
-                                         embedder=victim.embedder)
+                            gone = _Slot(
+                                victim.spec,
+                                runtime=victim.runtime,
+                                template=victim.template,
+                                engine=victim.engine,
+                                embedder=victim.embedder,
+                            )
                             victims.append(gone)
                             victim.runtime, victim.template, victim.engine, victim.embedder = None, None, None, None
                         if not self._full():
@@ -384,4 +415,14 @@ class ModelPool:
         return total
 
 
-__all__ = ["ApiError", "Job", "JobRequest", "ModelPool", "ModelSpec", "DEFAULT_CTX", "default_parallel", "client_gone", "shutting_down"]
+__all__ = [
+    "ApiError",
+    "Job",
+    "JobRequest",
+    "ModelPool",
+    "ModelSpec",
+    "DEFAULT_CTX",
+    "default_parallel",
+    "client_gone",
+    "shutting_down",
+]

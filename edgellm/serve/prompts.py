@@ -11,20 +11,29 @@ from edgellm.engine.runtime import Runtime, SamplingParams
 from edgellm.errors import UsageError, one_line
 from edgellm.serve.jobs import ApiError, Job, JobRequest
 
+
 def prepare(rt: Runtime, template: Any, req: JobRequest, n_ctx: int) -> tuple[list[int], SamplingParams, Any]:
     """The prompt's tokens, the request's sampling and its tool plan, checked against a slot's `n_ctx`; 400s for what does not fit."""
     tokens, param, plan = _prompt_tokens(rt, template, req)
     n_prompt = len(tokens)
     if n_prompt >= n_ctx:
-        raise ApiError(400, f"This model's maximum context length is {n_ctx} tokens. However, your "
-                       f"{'messages' if param == 'messages' else 'prompt'} resulted in {n_prompt} tokens. "
-                       "Please shorten it (or start the server with a larger --ctx).",
-                       param=param, code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {n_ctx} tokens. However, your "
+            f"{'messages' if param == 'messages' else 'prompt'} resulted in {n_prompt} tokens. "
+            "Please shorten it (or start the server with a larger --ctx).",
+            param=param,
+            code="context_length_exceeded",
+        )
     if req.max_tokens is not None and n_prompt + req.max_tokens > n_ctx:
-        raise ApiError(400, f"This model's maximum context length is {n_ctx} tokens. However, you requested "
-                       f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the {param}, {req.max_tokens} in the "
-                       "completion). Please reduce the length of the prompt or max_tokens.",
-                       param="max_tokens", code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+            f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the {param}, {req.max_tokens} in the "
+            "completion). Please reduce the length of the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     sampling = replace(req.sampling, max_tokens=req.max_tokens or (n_ctx - n_prompt))
     if req.kind == "chat" and template.stop_strings:  # the fallback template's turn marker
         sampling.stop = list(sampling.stop) + template.stop_strings
@@ -69,13 +78,18 @@ def _prompt_tokens(rt: Runtime, template: Any, req: JobRequest) -> tuple[list[in
             toks = template_tokens(rt, template, plan.messages, **plan.extra)
             missing = [t.name for t in plan.request.offered() if plan.format != "generic" and t.name not in rt.detokenize(toks)]
             if missing:  # a template that takes `tools` and drops them: say so and use the generic format
-                plan = tools.fallback_generic(plan, req.messages or [], f"the chat template ignored the tools ({', '.join(missing)}); "
-                                              "used llama.cpp's generic JSON tool format instead")
+                plan = tools.fallback_generic(
+                    plan,
+                    req.messages or [],
+                    f"the chat template ignored the tools ({', '.join(missing)}); "
+                    "used llama.cpp's generic JSON tool format instead",
+                )
                 toks = template_tokens(rt, template, plan.messages)
             return toks, "messages", plan
         except Exception as e:  # raise_exception() in the template, a Jinja error, or a render over its time limit
-            raise ApiError(400, f"the model's chat template refused these messages: {one_line(e)}",
-                           param="messages", code="invalid_messages") from None
+            raise ApiError(
+                400, f"the model's chat template refused these messages: {one_line(e)}", param="messages", code="invalid_messages"
+            ) from None
     if isinstance(req.prompt, list):
         n_vocab = rt.llm.n_vocab()
         if not req.prompt or any(t < 0 or t >= n_vocab for t in req.prompt):

@@ -55,7 +55,9 @@ class _Models:
             requested = requested[: -len(":latest")]
         if not requested:
             if self.default is None:
-                raise ApiError(400, "you must give a model (this server has no default model)", param="model", code="model_required")
+                raise ApiError(
+                    400, "you must give a model (this server has no default model)", param="model", code="model_required"
+                )
             return self.default
         if self.default is not None and requested == self.default.name:
             return self.default
@@ -71,15 +73,28 @@ class _Models:
                 except EdgeLLMError:
                     rec = None
         if rec is None or not rec.path.is_file():
-            raise ApiError(404, f"The model '{requested}' does not exist in the edgellm store (see GET /v1/models)",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{requested}' does not exist in the edgellm store (see GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         return ModelSpec(rec.name, rec.path, rec.context_length)
 
     def listing(self, loaded: list[str]) -> list[dict[str, Any]]:
         out = []
         for rec in Store().list():
-            out.append(_model_obj(rec.name, int(rec.added), loaded, level=rec.level, size_bytes=rec.size_bytes,
-                                  context_length=rec.context_length, architecture=rec.architecture))
+            out.append(
+                _model_obj(
+                    rec.name,
+                    int(rec.added),
+                    loaded,
+                    level=rec.level,
+                    size_bytes=rec.size_bytes,
+                    context_length=rec.context_length,
+                    architecture=rec.architecture,
+                )
+            )
         if self.default is not None and all(m["id"] != self.default.name for m in out):
             out.append(_model_obj(self.default.name, int(time.time()), loaded, context_length=self.default.context_length))
         return out
@@ -124,8 +139,12 @@ def _sampling(body: dict) -> tuple[SamplingParams, Optional[int]]:
         raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
     # presence/frequency penalties and logit_bias are accepted for compatibility and ignored.
     sp = SamplingParams(stop=[s for s in stop if s])
-    for key, attr, lo, hi in (("temperature", "temperature", 0, 2), ("top_p", "top_p", 0, 1), ("min_p", "min_p", 0, 1),
-                              ("repeat_penalty", "repeat_penalty", 0, 10)):
+    for key, attr, lo, hi in (
+        ("temperature", "temperature", 0, 2),
+        ("top_p", "top_p", 0, 1),
+        ("min_p", "min_p", 0, 1),
+        ("repeat_penalty", "repeat_penalty", 0, 10),
+    ):
         v = _number(body, key, lo, hi)
         if v is not None:
             setattr(sp, attr, float(v))
@@ -138,7 +157,9 @@ def _sampling(body: dict) -> tuple[SamplingParams, Optional[int]]:
     if draft not in ("", "off", "ngram"):
         raise _bad("'draft' must be 'ngram' or 'off'", "draft", "invalid_value")
     sp.draft = draft
-    sp.draft_max = _number(body, "draft_max", 0, 256, integer=True) or _number(body, "speculative.n_max", 0, 256, integer=True) or 0
+    sp.draft_max = (
+        _number(body, "draft_max", 0, 256, integer=True) or _number(body, "speculative.n_max", 0, 256, integer=True) or 0
+    )
     return sp, max_tokens
 
 
@@ -158,7 +179,11 @@ def _constraint(body: dict) -> Any:
 
         return structured.from_gbnf(JSON_GBNF, source="response_format")
     if kind != "json_schema":
-        raise _bad(f"unknown response_format type '{kind}' (expected text, json_object or json_schema)", "response_format", "invalid_value")
+        raise _bad(
+            f"unknown response_format type '{kind}' (expected text, json_object or json_schema)",
+            "response_format",
+            "invalid_value",
+        )
     js = rf.get("json_schema")
     schema = js.get("schema") if isinstance(js, dict) else None
     if not isinstance(schema, dict):
@@ -176,7 +201,9 @@ def _content_text(content: Any, i: int) -> Optional[str]:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content", "unsupported_content")
+                raise _bad(
+                    f"messages[{i}].content: only text parts are supported", f"messages[{i}].content", "unsupported_content"
+                )
             parts.append(part["text"])
         return "".join(parts)
     raise _bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content", "invalid_type")
@@ -203,7 +230,11 @@ def parse_chat(body: dict) -> JobRequest:
                 raise _bad(f"messages[{i}] must be an object with a 'role'", f"messages[{i}]", "invalid_type")
             role = "system" if m["role"] == "developer" else m["role"]
             if role not in ("system", "user", "assistant", "tool"):
-                raise _bad(f"messages[{i}].role '{m['role']}' is not one of system, developer, user, assistant, tool", f"messages[{i}].role", "invalid_value")
+                raise _bad(
+                    f"messages[{i}].role '{m['role']}' is not one of system, developer, user, assistant, tool",
+                    f"messages[{i}].role",
+                    "invalid_value",
+                )
             msg: dict[str, Any] = {"role": role, "content": _content_text(m.get("content"), i) or ""}
             if role == "assistant" and m.get("tool_calls"):
                 msg["tool_calls"] = tools.parse_tool_calls(m["tool_calls"], i)
@@ -216,10 +247,20 @@ def parse_chat(body: dict) -> JobRequest:
     sp, max_tokens = _sampling(body)
     constraint = _constraint(body)
     if tool_req is not None and tool_req.offered() and constraint is not None:
-        raise _bad("'response_format' together with 'tools' is not supported by this server; send one of them",
-                   "response_format", "unsupported_parameter")
-    return JobRequest("chat", messages=messages, sampling=sp, max_tokens=max_tokens, constraint=constraint,
-                      tools=tool_req, logprobs=_chat_logprobs(body))
+        raise _bad(
+            "'response_format' together with 'tools' is not supported by this server; send one of them",
+            "response_format",
+            "unsupported_parameter",
+        )
+    return JobRequest(
+        "chat",
+        messages=messages,
+        sampling=sp,
+        max_tokens=max_tokens,
+        constraint=constraint,
+        tools=tool_req,
+        logprobs=_chat_logprobs(body),
+    )
 
 
 def parse_completion(body: dict) -> JobRequest:
@@ -234,8 +275,14 @@ def parse_completion(body: dict) -> JobRequest:
         raise _bad("'suffix' is not supported by this server", "suffix", "unsupported_parameter")
     sp, max_tokens = _sampling(body)
     lp = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
-    return JobRequest("completion", prompt=p, sampling=sp, max_tokens=16 if max_tokens is None else max_tokens,
-                      constraint=_constraint(body), logprobs=lp)
+    return JobRequest(
+        "completion",
+        prompt=p,
+        sampling=sp,
+        max_tokens=16 if max_tokens is None else max_tokens,
+        constraint=_constraint(body),
+        logprobs=lp,
+    )
 
 
 MAX_EMBED_INPUTS = 2048  # OpenAI's limit per request
@@ -251,15 +298,20 @@ def parse_embeddings(body: dict, key: str = "input") -> tuple[JobRequest, str]:
     if len(x) > MAX_EMBED_INPUTS:
         raise _bad(f"'{key}' has {len(x)} items; the limit is {MAX_EMBED_INPUTS}", key, "invalid_value")
     for i, item in enumerate(x):
-        ok = (isinstance(item, str) and item) or (isinstance(item, list) and item and
-                                                   all(isinstance(t, int) and not isinstance(t, bool) for t in item))
+        ok = (isinstance(item, str) and item) or (
+            isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+        )
         if not ok:
             raise _bad(f"{key}[{i}] must be a non-empty string or a non-empty list of token ids", key, "invalid_value")
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise _bad("'encoding_format' must be 'float' or 'base64'", "encoding_format", "invalid_value")
     if body.get("dimensions") is not None:
-        raise _bad("'dimensions' is not supported: this server returns the model's own embedding size", "dimensions", "unsupported_parameter")
+        raise _bad(
+            "'dimensions' is not supported: this server returns the model's own embedding size",
+            "dimensions",
+            "unsupported_parameter",
+        )
     return JobRequest("embed", inputs=x), fmt
 
 

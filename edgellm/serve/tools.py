@@ -33,8 +33,9 @@ from edgellm.errors import UsageError
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MAX_PARALLEL_CALLS = 8  # calls per reply: a bound, so that a small model cannot loop on "," until max_tokens
-GENERIC_INSTRUCTION = ("Respond in JSON format, either with `tool_call` (a request to call tools) or with `response` "
-                       "reply to the user's request")
+GENERIC_INSTRUCTION = (
+    "Respond in JSON format, either with `tool_call` (a request to call tools) or with `response` reply to the user's request"
+)
 
 
 class ToolError(UsageError):
@@ -102,7 +103,9 @@ class Parsed:
 def parse_tools(body: dict[str, Any]) -> Optional[ToolRequest]:
     """`tools`, `tool_choice` and `parallel_tool_calls` of a chat body; None without tools."""
     if body.get("functions") is not None or body.get("function_call") is not None:
-        raise ToolError("'functions' and 'function_call' are deprecated: use 'tools' and 'tool_choice'", "functions", "unsupported_parameter")
+        raise ToolError(
+            "'functions' and 'function_call' are deprecated: use 'tools' and 'tool_choice'", "functions", "unsupported_parameter"
+        )
     raw, choice = body.get("tools"), body.get("tool_choice")
     if raw is None or raw == []:
         if choice not in (None, "none", "auto"):
@@ -123,11 +126,16 @@ def parse_tools(body: dict[str, Any]) -> Optional[ToolRequest]:
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
-            raise ToolError(f"tool_choice names the function '{name}', which is not among the tools ({', '.join(names)})", "tool_choice")
+            raise ToolError(
+                f"tool_choice names the function '{name}', which is not among the tools ({', '.join(names)})", "tool_choice"
+            )
         req.choice, req.forced = "function", name
     else:
-        raise ToolError("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
-                        "tool_choice", "invalid_type")
+        raise ToolError(
+            "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            "tool_choice",
+            "invalid_type",
+        )
     ptc = body.get("parallel_tool_calls")
     if ptc is not None and not isinstance(ptc, bool):
         raise ToolError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls", "invalid_type")
@@ -139,7 +147,9 @@ def _tool(t: Any, i: int) -> Tool:
     where = f"tools[{i}]"
     fn = t.get("function") if isinstance(t, dict) else None
     if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
-        raise ToolError(f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}", where, "invalid_type")
+        raise ToolError(
+            f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}", where, "invalid_type"
+        )
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise ToolError(f"{where}.function.name must be 1-64 letters, digits, '_', '.' or '-'", f"{where}.function.name")
@@ -166,8 +176,12 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
         elif m["role"] == "tool":
             tid = m.get("tool_call_id")
             if not isinstance(tid, str) or tid not in calls:
-                raise ToolError(f"messages[{i}]: a message with role 'tool' must answer a tool call of an earlier "
-                                f"assistant message; no call has the id {tid!r}", f"messages[{i}].tool_call_id", "invalid_tool_message")
+                raise ToolError(
+                    f"messages[{i}]: a message with role 'tool' must answer a tool call of an earlier "
+                    f"assistant message; no call has the id {tid!r}",
+                    f"messages[{i}].tool_call_id",
+                    "invalid_tool_message",
+                )
             m.setdefault("name", calls[tid])
 
 
@@ -179,13 +193,26 @@ def parse_tool_calls(raw: Any, i: int) -> list[dict[str, Any]]:
     out = []
     for j, tc in enumerate(raw):
         fn = tc.get("function") if isinstance(tc, dict) else None
-        if not (isinstance(tc, dict) and isinstance(tc.get("id"), str) and isinstance(fn, dict)
-                and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments", ""), (str, dict))):
-            raise ToolError(f"{where}[{j}] must be {{'id': str, 'type': 'function', 'function': {{'name': str, 'arguments': str}}}}",
-                            f"{where}[{j}]", "invalid_type")
+        if not (
+            isinstance(tc, dict)
+            and isinstance(tc.get("id"), str)
+            and isinstance(fn, dict)
+            and isinstance(fn.get("name"), str)
+            and isinstance(fn.get("arguments", ""), (str, dict))
+        ):
+            raise ToolError(
+                f"{where}[{j}] must be {{'id': str, 'type': 'function', 'function': {{'name': str, 'arguments': str}}}}",
+                f"{where}[{j}]",
+                "invalid_type",
+            )
         args = fn.get("arguments", "")
-        out.append({"id": tc["id"], "type": "function",
-                    "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+        out.append(
+            {
+                "id": tc["id"],
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+            }
+        )
     return out
 
 
@@ -270,8 +297,11 @@ def fallback_generic(p: ToolPlan, messages: list[dict[str, Any]], why: str) -> T
 
 
 def _call_schema(t: Tool, args_key: str = "arguments") -> dict[str, Any]:
-    s: dict[str, Any] = {"type": "object", "properties": {"name": {"const": t.name}, args_key: t.parameters},
-                         "required": ["name", args_key]}
+    s: dict[str, Any] = {
+        "type": "object",
+        "properties": {"name": {"const": t.name}, args_key: t.parameters},
+        "required": ["name", args_key],
+    }
     if t.description:
         s["description"] = t.description
     return s
@@ -284,9 +314,11 @@ def _one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
 def _generic_schema(req: ToolRequest, offered: list[Tool]) -> dict[str, Any]:
     call = _one_of([_call_schema(t) for t in offered])
     if req.parallel:
-        calls = {"type": "object", "properties": {"tool_calls": {"type": "array", "items": call, "minItems": 1,
-                                                                      "maxItems": MAX_PARALLEL_CALLS}},
-                 "required": ["tool_calls"]}
+        calls = {
+            "type": "object",
+            "properties": {"tool_calls": {"type": "array", "items": call, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}},
+            "required": ["tool_calls"],
+        }
     else:
         calls = {"type": "object", "properties": {"tool_call": call}, "required": ["tool_call"]}
     if req.choice in ("required", "function"):
@@ -302,8 +334,12 @@ def _gbnf(schema: dict[str, Any], *, rules: Optional[dict[str, str]] = None, nam
     """GBNF for `schema` (as rule `name`, root by default) plus literal `rules`, keys in the order name, arguments."""
     from llama_cpp.llama_grammar import SchemaConverter  # lazy: llama_cpp is heavy
 
-    conv = SchemaConverter(prop_order={"tool_calls": 0, "tool_call": 0, "name": 1, "arguments": 2, "parameters": 2},
-                           allow_fetch=False, dotall=False, raw_pattern=False)
+    conv = SchemaConverter(
+        prop_order={"tool_calls": 0, "tool_call": 0, "name": 1, "arguments": 2, "parameters": 2},
+        allow_fetch=False,
+        dotall=False,
+        raw_pattern=False,
+    )
     conv.visit(conv.resolve_refs(schema, "tools"), name)
     for k, v in (rules or {}).items():
         conv._add_rule(k, v)
@@ -316,12 +352,16 @@ def _generic_messages(messages: list[dict[str, Any]], req: ToolRequest, offered:
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             if offered:  # the JSON the grammar asks for, so that the format stays the one the model sees
-                calls = [{"name": tc["function"]["name"], "arguments": _loads(tc["function"]["arguments"]), "id": tc["id"]}
-                         for tc in m["tool_calls"]]
+                calls = [
+                    {"name": tc["function"]["name"], "arguments": _loads(tc["function"]["arguments"]), "id": tc["id"]}
+                    for tc in m["tool_calls"]
+                ]
                 body = {"tool_calls": calls} if req.parallel or len(calls) > 1 else {"tool_call": calls[0]}
                 text = json.dumps(body, ensure_ascii=False)
             else:  # tool_choice none: in words, which a small model does not copy back as JSON
-                text = "; ".join(f"I called {tc['function']['name']}({tc['function']['arguments']})" for tc in m["tool_calls"]) + "."
+                text = (
+                    "; ".join(f"I called {tc['function']['name']}({tc['function']['arguments']})" for tc in m["tool_calls"]) + "."
+                )
             out.append({"role": "assistant", "content": ((m.get("content") or "") + "\n" + text).strip()})
         elif m["role"] == "tool":
             # As a user turn in words: a template without a tool role has nowhere else to put it, and a small
@@ -330,8 +370,12 @@ def _generic_messages(messages: list[dict[str, Any]], req: ToolRequest, offered:
         else:
             out.append({"role": m["role"], "content": m.get("content") or ""})
     if offered:
-        note = ("You can call any of the following tools to satisfy the user's requests: "
-                + json.dumps([t.to_openai() for t in offered], indent=2, ensure_ascii=False) + "\n\n" + GENERIC_INSTRUCTION)
+        note = (
+            "You can call any of the following tools to satisfy the user's requests: "
+            + json.dumps([t.to_openai() for t in offered], indent=2, ensure_ascii=False)
+            + "\n\n"
+            + GENERIC_INSTRUCTION
+        )
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": (out[0]["content"] + "\n\n" + note).strip()}
         else:
@@ -355,8 +399,10 @@ def _native_message(m: dict[str, Any]) -> dict[str, Any]:
     """A message for a template that renders tools itself: arguments as objects, as these templates expect."""
     out = dict(m)
     if m.get("tool_calls"):
-        out["tool_calls"] = [{**tc, "function": {"name": tc["function"]["name"], "arguments": _loads(tc["function"]["arguments"])}}
-                             for tc in m["tool_calls"]]
+        out["tool_calls"] = [
+            {**tc, "function": {"name": tc["function"]["name"], "arguments": _loads(tc["function"]["arguments"])}}
+            for tc in m["tool_calls"]
+        ]
         out.setdefault("content", "")
     return out
 
@@ -379,9 +425,11 @@ def _class_char(ch: str) -> str:
 def _native_grammar(fmt: str, req: ToolRequest, offered: list[Tool]) -> str:
     args_key = "parameters" if fmt == "llama3" else "arguments"
     call = _one_of([_call_schema(t, args_key) for t in offered])
-    more = "{0,%d}" % (MAX_PARALLEL_CALLS - 1) if req.parallel else ""
+    more = f"{{0,{MAX_PARALLEL_CALLS - 1}}}" if req.parallel else ""
     if fmt == "hermes":
-        rules = {"calls": f'"{HERMES_OPEN}\\n" tool-call "\\n{HERMES_CLOSE}" ("\\n" "{HERMES_OPEN}\\n" tool-call "\\n{HERMES_CLOSE}"){more}'}
+        rules = {
+            "calls": f'"{HERMES_OPEN}\\n" tool-call "\\n{HERMES_CLOSE}" ("\\n" "{HERMES_OPEN}\\n" tool-call "\\n{HERMES_CLOSE}"){more}'
+        }
         trigger = HERMES_OPEN
     elif fmt == "mistral":
         rules = {"calls": f'"[TOOL_CALLS]" "[" tool-call ("," " "? tool-call){more} "]"'}
@@ -443,5 +491,18 @@ def _loads(args: str) -> Any:
         return args
 
 
-__all__ = ["Tool", "ToolCall", "ToolRequest", "ToolPlan", "ToolError", "Parsed", "parse_tools", "check_messages",
-           "parse_tool_calls", "detect_format", "plan", "fallback_generic", "new_call_id"]
+__all__ = [
+    "Tool",
+    "ToolCall",
+    "ToolRequest",
+    "ToolPlan",
+    "ToolError",
+    "Parsed",
+    "parse_tools",
+    "check_messages",
+    "parse_tool_calls",
+    "detect_format",
+    "plan",
+    "fallback_generic",
+    "new_call_id",
+]

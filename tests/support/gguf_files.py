@@ -149,8 +149,18 @@ def write_tiny_llama(
     return _write(path, "llama", fill)
 
 
-def write_stub_gguf(path: Path | str, *, arch: str = "llama", embd: int = 64, vocab: int = 256, layers: int = 2,
-                    ftype: int = 7, pad_mib: float = 0, seed: int = 0, split_max_tensors: int = 0) -> Path:
+def write_stub_gguf(
+    path: Path | str,
+    *,
+    arch: str = "llama",
+    embd: int = 64,
+    vocab: int = 256,
+    layers: int = 2,
+    ftype: int = 7,
+    pad_mib: float = 0,
+    seed: int = 0,
+    split_max_tensors: int = 0,
+) -> Path:
     """A GGUF of architecture `arch` labelled file type `ftype` (7 = Q8_0) with
     `pad_mib` MiB of extra tensor data; with `split_max_tensors`, a split set
     whose first shard's path is returned."""

@@ -58,18 +58,33 @@ def cli_argv(*args) -> list[str]:
     return [sys.executable, "-m", "edgellm.cli", *map(str, args)]
 
 
-def run_cli(*args, env: dict | None = None, timeout: float = 600, input: str | None = None, preexec_fn=None,
-            cwd: Path | str | None = None) -> CliResult:
+def run_cli(
+    *args, env: dict | None = None, timeout: float = 600, input: str | None = None, preexec_fn=None, cwd: Path | str | None = None
+) -> CliResult:
     """`edgellm ARGS` in a child process. `env` is the whole environment (default: this process's)."""
-    proc = subprocess.run(cli_argv(*args), env=os.environ.copy() if env is None else env, capture_output=True, text=True,
-                          timeout=timeout, input=input, preexec_fn=preexec_fn, cwd=cwd)
+    proc = subprocess.run(
+        cli_argv(*args),
+        env=os.environ.copy() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=input,
+        preexec_fn=preexec_fn,
+        cwd=cwd,
+    )
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
 def start_cli(*args, env: dict | None = None, preexec_fn=None, text: bool = True) -> subprocess.Popen:
     """`edgellm ARGS` in a child process the test can signal; `env` adds to this process's environment."""
-    return subprocess.Popen(cli_argv(*args), env=dict(os.environ, **(env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=text, preexec_fn=preexec_fn)
+    return subprocess.Popen(
+        cli_argv(*args),
+        env=dict(os.environ, **(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=text,
+        preexec_fn=preexec_fn,
+    )
 
 
 def assert_one_line_error(res: CliResult) -> None:
@@ -113,7 +128,11 @@ class CancelAfter:
 def store_snapshot(home: Path) -> tuple:
     """The index and the files under the store: equal snapshots mean nothing changed."""
     idx = home / "index.json"
-    files = sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file() and p.name != "index.lock") if home.exists() else []
+    files = (
+        sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file() and p.name != "index.lock")
+        if home.exists()
+        else []
+    )
     return (idx.read_text() if idx.exists() else None, files)
 
 
@@ -136,8 +155,9 @@ def register_default(gguf_path: Path, home: Path | None = None):
     from edgellm.models.resolve import record_from_info
     from edgellm.models.store import Store
 
-    rec = record_from_info(DEFAULT_NAME, read_gguf(gguf_path), [str(gguf_path)], DEFAULT_SHA256,
-                           source=DEFAULT_SOURCE, catalog=DEFAULT_REF)
+    rec = record_from_info(
+        DEFAULT_NAME, read_gguf(gguf_path), [str(gguf_path)], DEFAULT_SHA256, source=DEFAULT_SOURCE, catalog=DEFAULT_REF
+    )
     return (Store(home) if home is not None else Store()).register(rec)
 
 

@@ -126,8 +126,7 @@ class HubServer:
         self.url = f"http://{host}:{self._servers[0].server_address[1]}"
         self.cdn_url = f"http://{host}:{self._servers[1].server_address[1]}"
         # A short poll interval keeps stop() (which waits for a poll) from costing ~0.5 s per test.
-        self._threads = [threading.Thread(target=s.serve_forever, args=(0.05,), daemon=True) 
-                         for s in self._servers]
+        self._threads = [threading.Thread(target=s.serve_forever, args=(0.05,), daemon=True) for s in self._servers]
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> HubServer:

@@ -20,8 +20,14 @@ LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)/v1")
 def start_serve(*args, env: dict | None = None, cwd: Path | str | None = None) -> tuple[subprocess.Popen, str]:
     """`edgellm serve ARGS --port 0` and the base URL (http://127.0.0.1:PORT) it says it listens on.
     Raises RuntimeError with the server's own words when it does not start."""
-    proc = subprocess.Popen([sys.executable, "-m", "edgellm.cli", "serve", *map(str, args), "--port", "0"],
-                            env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgellm.cli", "serve", *map(str, args), "--port", "0"],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     m = LISTENING.search(line)
     if not m:

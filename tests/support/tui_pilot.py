@@ -55,7 +55,7 @@ def screen_text(app, widget=None) -> str:
     if widget is None:
         return "\n".join(s.text.rstrip() for s in strips)
     r = widget.region
-    return "\n".join(s.crop(r.x, r.right).text.rstrip() for s in strips[r.y:r.bottom])
+    return "\n".join(s.crop(r.x, r.right).text.rstrip() for s in strips[r.y : r.bottom])
 
 
 def squeeze(text: str) -> str:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, Optional, TypeVar
 
-from textual.css.query import NoMatches
 from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Button, Footer
 from textual.worker import get_current_worker
@@ -24,7 +25,6 @@ from edgellm import errors
 from edgellm.errors import Cancelled, EdgeLLMError
 from edgellm.models.store import ModelRecord, Store
 from edgellm.progress import CancelToken, Progress, ProgressCallback
-
 from tui.modes import SCREENS
 from tui.widgets.jobbar import JobBar
 from tui.widgets.modals import ConfirmModal
@@ -169,7 +169,9 @@ class BaseScreen(Screen):
 
         return cb
 
-    def run_guarded(self, what: str, fn: Callable[..., Any], *args: Any, token: Optional[CancelToken] = None, **kw: Any) -> tuple[bool, Any]:
+    def run_guarded(
+        self, what: str, fn: Callable[..., Any], *args: Any, token: Optional[CancelToken] = None, **kw: Any
+    ) -> tuple[bool, Any]:
         """Call a core function in the worker thread; report a failure as a notification.
 
         Returns (True, result), or (False, the failure's one-line reason) for

@@ -16,17 +16,16 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Button, Checkbox, DataTable, Input, Label, Select, Sparkline, Static
 
-from edgellm.fsutil import human_size
 from edgellm.errors import UsageError
+from edgellm.fsutil import human_size
 from edgellm.profile.bench import bench
 from edgellm.profile.bench_rpc import as_bench_rows, bench_rpc
 from edgellm.profile.results import load_bench_results
-
+from tui.screens.base import CANCEL, REFRESH, BaseScreen
 from tui.widgets.chat_settings import gpu_layers
 from tui.widgets.fields import set_choices, steady_cursors
 from tui.widgets.jobbar import JobBar
 from tui.widgets.tables import fill
-from tui.screens.base import CANCEL, REFRESH, BaseScreen
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +76,19 @@ class BenchScreen(BaseScreen):
         with Horizontal(id="bench-body"):
             yield DataTable(id="bench-results", cursor_type="row")
             yield Static("Memory: run a benchmark.", id="bench-mem")
-        yield Label("tokens/s of each repetition of the selected model, in order (pp, then tg)", id="bench-spark-title", classes="pane-title")
+        yield Label(
+            "tokens/s of each repetition of the selected model, in order (pp, then tg)",
+            id="bench-spark-title",
+            classes="pane-title",
+        )
         yield Sparkline([], id="bench-spark")
         yield from self.compose_footer()
 
     def on_mount(self) -> None:
         steady_cursors(self)
-        self.query_one("#bench-results", DataTable).add_columns("Model", "Test", "tok/s", "±", "TTFT s", "Load s", "GPU layers", "Device", "Host")
+        self.query_one("#bench-results", DataTable).add_columns(
+            "Model", "Test", "tok/s", "±", "TTFT s", "Load s", "GPU layers", "Device", "Host"
+        )
         self.action_refresh()
 
     def reload(self) -> None:
@@ -120,13 +125,34 @@ class BenchScreen(BaseScreen):
         progress = self.progress_to(self.job_progress, min_interval=0.1)
         warn = lambda m: self.ui(self.notify, m, severity="warning")  # noqa: E731  (the plan and its notes)
         if rpc:  # as `bench --rpc`: each test here and split over the workers (GPU layers do not apply)
-            ok, out = self.run_guarded(f"bench {model}", bench_rpc, model, rpc, pp=pp, tg=tg, repetitions=reps,
-                                       on_plan=lambda p: warn("\n".join(p.lines())), on_progress=progress,
-                                       cancel=token, token=token)
+            ok, out = self.run_guarded(
+                f"bench {model}",
+                bench_rpc,
+                model,
+                rpc,
+                pp=pp,
+                tg=tg,
+                repetitions=reps,
+                on_plan=lambda p: warn("\n".join(p.lines())),
+                on_progress=progress,
+                cancel=token,
+                token=token,
+            )
             rows = as_bench_rows(*out) if ok else None
         else:
-            ok, out = self.run_guarded(f"bench {model}", bench, [model], pp=pp, tg=tg, repetitions=reps,
-                                       n_gpu_layers=layers, warn=warn, on_progress=progress, cancel=token, token=token)
+            ok, out = self.run_guarded(
+                f"bench {model}",
+                bench,
+                [model],
+                pp=pp,
+                tg=tg,
+                repetitions=reps,
+                n_gpu_layers=layers,
+                warn=warn,
+                on_progress=progress,
+                cancel=token,
+                token=token,
+            )
             rows = [r.to_json() for r in out] if ok else None
         self.ui(self._done, rows, "" if ok else out, token.cancelled)
 
@@ -140,12 +166,26 @@ class BenchScreen(BaseScreen):
     def show_results(self, rows: list[dict]) -> None:
         self.rows = list(rows)
         t = self.query_one("#bench-results", DataTable)
-        fill(t, [
-            ((str(d["model"]).rsplit("/", 1)[-1][:28], d["test"], _f(d["avg_ts"], 1), _f(d["stddev_ts"], 1), _f(d["ttft_seconds"], 3),
-              _f(d["load_seconds"], 2), str(d.get("n_gpu_layers", 0)), _bytes(d.get("device_bytes")),
-              _bytes(d.get("host_bytes"))), None)
-            for d in self.rows
-        ])
+        fill(
+            t,
+            [
+                (
+                    (
+                        str(d["model"]).rsplit("/", 1)[-1][:28],
+                        d["test"],
+                        _f(d["avg_ts"], 1),
+                        _f(d["stddev_ts"], 1),
+                        _f(d["ttft_seconds"], 3),
+                        _f(d["load_seconds"], 2),
+                        str(d.get("n_gpu_layers", 0)),
+                        _bytes(d.get("device_bytes")),
+                        _bytes(d.get("host_bytes")),
+                    ),
+                    None,
+                )
+                for d in self.rows
+            ],
+        )
         self.show_row(t.cursor_row)
 
     @on(DataTable.RowHighlighted, "#bench-results")
@@ -178,7 +218,12 @@ def memory_split(d: dict) -> Table:
     t.add_column(justify="right")
     t.add_column()
     rss = d["rss_bytes"] or 0
-    for label, key in (("peak RSS", "rss_bytes"), ("file-backed", "file_backed_bytes"), ("anonymous", "anon_bytes"), ("KV cache", "kv_bytes")):
+    for label, key in (
+        ("peak RSS", "rss_bytes"),
+        ("file-backed", "file_backed_bytes"),
+        ("anonymous", "anon_bytes"),
+        ("KV cache", "kv_bytes"),
+    ):
         v = d[key]
         if v is None:  # not measured on this platform
             continue

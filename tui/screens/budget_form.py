@@ -8,7 +8,8 @@ rule) with the line the CLI prints, and nothing starts.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from edgellm.errors import EdgeLLMError
 from edgellm.fsutil import human_size
@@ -72,5 +73,6 @@ def describe_budget(res: Any, recipe: Any) -> str:
     """The result row's note: predicted vs measured size and the recipe's name."""
     from pathlib import Path
 
-    return (f"predicted {human_size(recipe.predicted_bytes)}, measured {human_size(res.size_bytes)}, "
-            f"recipe {Path(recipe.file).name}")
+    return (
+        f"predicted {human_size(recipe.predicted_bytes)}, measured {human_size(res.size_bytes)}, recipe {Path(recipe.file).name}"
+    )

@@ -18,26 +18,13 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.message import Message
-from textual.widgets import (
-    DataTable,
-    Input,
-    Label,
-    Markdown,
-    Static,
-    TabbedContent,
-    TabPane,
-)
+from textual.widgets import DataTable, Input, Label, Markdown, Static, TabbedContent, TabPane
 
 from edgellm import paths
 from edgellm.chat import history
 from edgellm.chat.session import ChatSession, open_session
 from edgellm.engine.rpc_loss import LossGuard
-from edgellm.engine.runtime import (
-    GenerationStats,
-    Runtime,
-    RuntimeOptions,
-    SamplingParams,
-)
+from edgellm.engine.runtime import GenerationStats, Runtime, RuntimeOptions, SamplingParams
 from edgellm.errors import UsageError
 from edgellm.fsutil import human_size
 from edgellm.models.catalog import load_catalog
@@ -97,7 +84,9 @@ class ChatScreen(BaseScreen):
         with TabbedContent(id="chat-tabs", initial="chat-main-tab"):
             with TabPane("Chat", id="chat-main-tab"):
                 with VerticalScroll(id="chat-log"):
-                    yield Static("Type a message and press Enter. Escape stops a reply; Ctrl+T opens the settings.", classes="msg-info")
+                    yield Static(
+                        "Type a message and press Enter. Escape stops a reply; Ctrl+T opens the settings.", classes="msg-info"
+                    )
                 box = Input(placeholder="Enter sends", id="chat-input")
                 box.border_title = "Message"
                 yield box
@@ -179,7 +168,9 @@ class ChatScreen(BaseScreen):
         self._send(text, s, form.reload_key(), options, sampling, reply, self.token)
 
     @work(thread=True, group="chat", exclusive=False)
-    def _send(self, text: str, s: dict, key: tuple, options: RuntimeOptions, sampling: SamplingParams, reply: Markdown, token) -> None:
+    def _send(
+        self, text: str, s: dict, key: tuple, options: RuntimeOptions, sampling: SamplingParams, reply: Markdown, token
+    ) -> None:
         acc: list[str] = []
         last = [0.0]
 
@@ -189,7 +180,11 @@ class ChatScreen(BaseScreen):
                 self._close_session()
                 self.session = open_session(
                     # a resumed session keeps its own system prompt
-                    s["model"], options, sampling, system=None if self._resume_id else s["system"] or None, resume=self._resume_id,
+                    s["model"],
+                    options,
+                    sampling,
+                    system=None if self._resume_id else s["system"] or None,
+                    resume=self._resume_id,
                     warn=lambda m: self.ui(self.notify, m, severity="warning"),
                 )
                 self.session_key = key
@@ -238,7 +233,7 @@ class ChatScreen(BaseScreen):
         # before the reply being streamed: the plan came first
         log_.mount(Static("\n".join(lines), classes="msg-info plan", markup=False), before=len(log_.children) - 1)
 
-    def on_reply_grew(self, message: "ReplyGrew") -> None:
+    def on_reply_grew(self, message: ReplyGrew) -> None:
         if self.generating:
             self._grow(message.reply, message.text)
 
@@ -296,7 +291,9 @@ class ChatScreen(BaseScreen):
         if self.sampler is None:
             return
         snap = self.sampler.snapshot()
-        self._status_text(f"{self.settings()['model']} · generating · {snap.tokens_per_second:.1f} tok/s · RSS {human_size(snap.rss_bytes)}")
+        self._status_text(
+            f"{self.settings()['model']} · generating · {snap.tokens_per_second:.1f} tok/s · RSS {human_size(snap.rss_bytes)}"
+        )
 
     def _status_done(self, stats: Optional[GenerationStats]) -> None:
         if stats is None:
@@ -315,7 +312,10 @@ class ChatScreen(BaseScreen):
         self.in_background("sessions", history.list_sessions, self._fill_sessions, group="sessions")
 
     def _fill_sessions(self, rows: list[history.SessionSummary]) -> None:
-        fill(self.query_one("#chat-sessions", DataTable), [((r.id, r.model, str(r.messages // 2), r.title[:40]), r.id) for r in rows])
+        fill(
+            self.query_one("#chat-sessions", DataTable),
+            [((r.id, r.model, str(r.messages // 2), r.title[:40]), r.id) for r in rows],
+        )
 
     def _selected_session(self) -> str:
         t = self.query_one("#chat-sessions", DataTable)
@@ -353,7 +353,9 @@ class ChatScreen(BaseScreen):
         sid = self._selected_session()
         if not sid:
             return
-        self.confirm_delete(f"Delete chat session {sid}?", lambda: history.delete(sid), f"deleted session {sid}", self.refresh_sessions)
+        self.confirm_delete(
+            f"Delete chat session {sid}?", lambda: history.delete(sid), f"deleted session {sid}", self.refresh_sessions
+        )
 
     def action_export_session(self) -> None:
         sid = self._selected_session()
@@ -375,4 +377,3 @@ class ChatScreen(BaseScreen):
                 sess.runtime.close()
             except Exception:
                 log.debug("closing the chat session failed", exc_info=True)
-

@@ -14,27 +14,21 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, DataTable, Input, Label, Select, Static
 
 from edgellm.fsutil import human_size
+from quant.corpus import BUILTIN_CORPUS
 from quant.evaluate import EvalReport, evaluate, is_edgellm_recipe, level_tag, load_eval_results
 from quant.recommend import Recommendation, recommend
-from quant.corpus import BUILTIN_CORPUS
-
+from tui.screens.base import CANCEL, REFRESH, BaseScreen, one_line
 from tui.widgets.fields import set_choices, steady_cursors
 from tui.widgets.jobbar import JobBar
-from tui.widgets.tables import fill
 from tui.widgets.plot import ScatterPlot
-from tui.screens.base import CANCEL, REFRESH, BaseScreen, one_line
+from tui.widgets.tables import fill
 
 log = logging.getLogger(__name__)
 
 
 class EvaluateScreen(BaseScreen):
     MODE = "evaluate"
-    BINDINGS = [
-        Binding("g", "run", "Run eval"),
-        CANCEL,
-        Binding("k", "toggle_metric", "KLD/ΔPPL chart"),
-        REFRESH,
-    ]
+    BINDINGS = [Binding("g", "run", "Run eval"), CANCEL, Binding("k", "toggle_metric", "KLD/ΔPPL chart"), REFRESH]
     CANCELLING = "cancelling the evaluation..."
     BUTTONS = {"eval-go": "run"}
     report: Optional[EvalReport] = None  # the one on show
@@ -51,7 +45,13 @@ class EvaluateScreen(BaseScreen):
             yield Label("Text file", classes="lead")
             yield Input("", placeholder=f"blank: built-in ({BUILTIN_CORPUS})", id="eval-text")
             yield Label("Chunks")
-            yield Input("4", id="eval-chunks", type="integer", tooltip="chunks of the text to score (more: slower, tighter)", classes="num")
+            yield Input(
+                "4",
+                id="eval-chunks",
+                type="integer",
+                tooltip="chunks of the text to score (more: slower, tighter)",
+                classes="num",
+            )
             yield Button("Run (g)", id="eval-go", variant="primary")
         yield JobBar(id="eval-job", idle="no evaluation running")
         with Horizontal(id="eval-body"):
@@ -76,7 +76,7 @@ class EvaluateScreen(BaseScreen):
         self.reload()
         self.in_background("saved evaluations", _saved, self._show_saved)
 
-    def _show_saved(self, saved: tuple[Optional[EvalReport], "Recommendation | str"]) -> None:
+    def _show_saved(self, saved: tuple[Optional[EvalReport], Recommendation | str]) -> None:
         report, rec = saved
         if report is not None and self.token is None:
             self.show_results(report)
@@ -85,7 +85,9 @@ class EvaluateScreen(BaseScreen):
     # -- running -------------------------------------------------------------
 
     def action_run(self) -> None:
-        if self.busy("an evaluation is already running") or not (base := self.picked("#eval-base", "pick a base model (an F16 conversion is best)")):
+        if self.busy("an evaluation is already running") or not (
+            base := self.picked("#eval-base", "pick a base model (an F16 conversion is best)")
+        ):
             return
         levels = [x.strip().lower() for x in self.query_one("#eval-levels", Input).value.split(",") if x.strip()]
         text = self.query_one("#eval-text", Input).value.strip() or None
@@ -100,13 +102,20 @@ class EvaluateScreen(BaseScreen):
         # A blank text field means the built-in corpus, as its placeholder says.
         source = dict(text=text) if text else dict(corpus=BUILTIN_CORPUS)
         ok, out = self.run_guarded(
-            f"evaluate {base}", evaluate, base, levels, chunks=chunks, **source,
-            on_progress=self.progress_to(self.job_progress), cancel=token, token=token,
+            f"evaluate {base}",
+            evaluate,
+            base,
+            levels,
+            chunks=chunks,
+            **source,
+            on_progress=self.progress_to(self.job_progress),
+            cancel=token,
+            token=token,
         )
         rec = _recommendation() if ok else None
         self.ui(self._done, out if ok else None, rec, "" if ok else out, token.cancelled)
 
-    def _done(self, report: Optional[EvalReport], rec: "Recommendation | str | None", reason: str, cancelled: bool) -> None:
+    def _done(self, report: Optional[EvalReport], rec: Recommendation | str | None, reason: str, cancelled: bool) -> None:
         self.end_job("evaluation", report is not None, reason, cancelled)
         if report is not None:
             self.show_results(report)
@@ -116,11 +125,24 @@ class EvaluateScreen(BaseScreen):
 
     def show_results(self, report: EvalReport) -> None:
         self.report = report
-        fill(self.query_one("#eval-results", DataTable), [
-            ((level_tag(report, lv).upper(), human_size(lv.size_bytes), f"{lv.ppl:.3f}", f"{lv.dppl_pct:+.2f}", f"{lv.kld_mean:.4f}",
-              f"{lv.same_top_p:.1f}", f"{lv.tokens_per_second:.0f}"), None)
-            for lv in report.levels
-        ])
+        fill(
+            self.query_one("#eval-results", DataTable),
+            [
+                (
+                    (
+                        level_tag(report, lv).upper(),
+                        human_size(lv.size_bytes),
+                        f"{lv.ppl:.3f}",
+                        f"{lv.dppl_pct:+.2f}",
+                        f"{lv.kld_mean:.4f}",
+                        f"{lv.same_top_p:.1f}",
+                        f"{lv.tokens_per_second:.0f}",
+                    ),
+                    None,
+                )
+                for lv in report.levels
+            ],
+        )
         source = f"base {report.base}, corpus {report.corpus}, ctx {report.ctx}, {report.chunks} chunks"
         self.query_one("#eval-source", Static).update(f"[dim]{source}[/]")
         self._plot()
@@ -138,14 +160,14 @@ class EvaluateScreen(BaseScreen):
         self.metric = "dppl_pct" if self.metric == "kld_mean" else "kld_mean"
         self._plot()
 
-    def _show_rec(self, rec: "Recommendation | str | None") -> None:
+    def _show_rec(self, rec: Recommendation | str | None) -> None:
         if rec is None:
             return
         text = rec if isinstance(rec, str) else describe_rec(rec)
         self.query_one("#eval-rec", Static).update(f"Recommendation: {text}")
 
 
-def _recommendation() -> "Recommendation | str":
+def _recommendation() -> Recommendation | str:
     """recommend()'s pick, or why there is none (no saved results, nothing fits)."""
     try:
         return recommend()
@@ -153,7 +175,7 @@ def _recommendation() -> "Recommendation | str":
         return one_line(e)
 
 
-def _saved() -> tuple[Optional[EvalReport], "Recommendation | str"]:
+def _saved() -> tuple[Optional[EvalReport], Recommendation | str]:
     """The newest saved report and the recommendation: read in a worker."""
     reports = load_eval_results()
     return (reports[0] if reports else None), _recommendation()

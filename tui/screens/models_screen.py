@@ -25,11 +25,10 @@ from edgellm.models.pull import pull
 from edgellm.models.resolve import import_file, remove
 from edgellm.models.store import ModelRecord, Store
 from quant.levels import level_estimate
-
+from tui.screens.base import REFRESH, BaseScreen
 from tui.widgets.jobbar import JobBar
 from tui.widgets.modals import AskModal, ReportModal
 from tui.widgets.tables import fill
-from tui.screens.base import REFRESH, BaseScreen
 
 log = logging.getLogger(__name__)
 
@@ -79,20 +78,26 @@ class ModelsScreen(BaseScreen):
         )
         self.in_background("model list", lambda: _load_tables(ram), self._fill_tables, group="tables")
 
-    def _fill_tables(self, tables: "Tables") -> None:
+    def _fill_tables(self, tables: Tables) -> None:
         for e in tables.errors:
             self.notify_error(e, "models")
         cat = self.query_one("#catalog", DataTable)
         keep = self._selected("#catalog")
-        fill(cat, [
-            ((Text(e.name + (" *" if e.default else "")), mark, e.default_level, size, human_params(e.parameters)), e.name)
-            for e, mark, size in tables.catalog
-        ])
+        fill(
+            cat,
+            [
+                ((Text(e.name + (" *" if e.default else "")), mark, e.default_level, size, human_params(e.parameters)), e.name)
+                for e, mark, size in tables.catalog
+            ],
+        )
         _restore(cat, keep)
         st = self.query_one("#store", DataTable)
         keep = self._selected("#store")
         rows = [
-            ((r.name, mark, r.level, human_size(r.size_bytes), r.source.split(":", 1)[0] if r.source else "", r.parent or ""), r.name)
+            (
+                (r.name, mark, r.level, human_size(r.size_bytes), r.source.split(":", 1)[0] if r.source else "", r.parent or ""),
+                r.name,
+            )
             for r, mark in tables.store
         ]
         fill(st, rows or [((Text("(empty: pull or import a model)", style="dim"), "", "", "", "", ""), "")])
@@ -117,7 +122,9 @@ class ModelsScreen(BaseScreen):
             if v and v.get("ref"):
                 self.start_pull(v["ref"])
 
-        self.app.push_screen(AskModal("Pull a model", [("ref", "Catalog NAME[:LEVEL] or Hub repo", "smollm2-135m-instruct:q8_0")], ok="Pull"), go)
+        self.app.push_screen(
+            AskModal("Pull a model", [("ref", "Catalog NAME[:LEVEL] or Hub repo", "smollm2-135m-instruct:q8_0")], ok="Pull"), go
+        )
 
     def start_pull(self, ref: str) -> None:
         if not self.busy("a job is already running here"):
@@ -125,7 +132,9 @@ class ModelsScreen(BaseScreen):
 
     @work(thread=True, group="models-job")
     def _pull(self, ref: str, token) -> None:
-        ok, out = self.run_guarded(f"pull {ref}", pull, ref, on_progress=self.progress_to(self.job_progress), cancel=token, token=token)
+        ok, out = self.run_guarded(
+            f"pull {ref}", pull, ref, on_progress=self.progress_to(self.job_progress), cancel=token, token=token
+        )
         self.ui(self._done, f"pulled {out.name}" if ok else _failed("pull", token), ok, "" if ok or token.cancelled else out)
 
     # -- import ------------------------------------------------------------
@@ -136,7 +145,14 @@ class ModelsScreen(BaseScreen):
                 self.start_import(v["path"], v.get("name") or None)
 
         self.app.push_screen(
-            AskModal("Import a GGUF file", [("path", "Path to a .gguf file", "/path/to/model.gguf"), ("name", "Name in the store (optional)", "derived from the file name")], ok="Import"),
+            AskModal(
+                "Import a GGUF file",
+                [
+                    ("path", "Path to a .gguf file", "/path/to/model.gguf"),
+                    ("name", "Name in the store (optional)", "derived from the file name"),
+                ],
+                ok="Import",
+            ),
             go,
         )
 
@@ -147,7 +163,13 @@ class ModelsScreen(BaseScreen):
     @work(thread=True, group="models-job")
     def _import(self, path: str, name, token) -> None:
         ok, out = self.run_guarded(
-            f"import {Path(path).name}", import_file, path, name=name, on_progress=self.progress_to(self.job_progress), cancel=token, token=token
+            f"import {Path(path).name}",
+            import_file,
+            path,
+            name=name,
+            on_progress=self.progress_to(self.job_progress),
+            cancel=token,
+            token=token,
         )
         self.ui(self._done, f"imported {out.name}" if ok else _failed("import", token), ok, "" if ok or token.cancelled else out)
 
@@ -167,7 +189,9 @@ class ModelsScreen(BaseScreen):
         if not name:
             self.notify("select a model in the local store first", severity="warning")
             return
-        self.confirm_delete(f"Delete '{name}' and its files from the store?", lambda: remove(name), f"deleted {name}", self.refresh_tables)
+        self.confirm_delete(
+            f"Delete '{name}' and its files from the store?", lambda: remove(name), f"deleted {name}", self.refresh_tables
+        )
 
     @on(DataTable.RowSelected, "#store")
     def _store_row(self, _event: DataTable.RowSelected) -> None:
@@ -178,21 +202,31 @@ class ModelsScreen(BaseScreen):
         e = load_catalog().find(str(event.row_key.value or ""))
         if e is None:
             return
-        body = "\n".join([
-            f"{e.display}  ({e.license})", e.description, "",
-            f"repo            {e.repo}",
-            f"architecture    {e.architecture}",
-            f"parameters      {e.parameters:,}",
-            f"context length  {e.context_length:,}",
-            f"levels          {', '.join(e.levels)}  (default {e.default_level})",
-            "", "p pulls the default level; P pulls NAME:LEVEL.",
-        ])
+        body = "\n".join(
+            [
+                f"{e.display}  ({e.license})",
+                e.description,
+                "",
+                f"repo            {e.repo}",
+                f"architecture    {e.architecture}",
+                f"parameters      {e.parameters:,}",
+                f"context length  {e.context_length:,}",
+                f"levels          {', '.join(e.levels)}  (default {e.default_level})",
+                "",
+                "p pulls the default level; P pulls NAME:LEVEL.",
+            ]
+        )
         self.app.push_screen(ReportModal(e.name, body))
 
     def action_inspect(self) -> None:
         name = self._selected("#store")
         if name:
-            self.in_background(f"inspect {name}", lambda: _inspect(name), lambda body: self.app.push_screen(ReportModal(name, body)), group="inspect")
+            self.in_background(
+                f"inspect {name}",
+                lambda: _inspect(name),
+                lambda body: self.app.push_screen(ReportModal(name, body)),
+                group="inspect",
+            )
 
 
 def _failed(what: str, token) -> str:
@@ -253,19 +287,21 @@ def _inspect(name: str) -> str:
     info: GGUFInfo = read_gguf(rec.path)
     types = ", ".join(f"{k} {v}" for k, v in sorted(info.tensor_types.items(), key=lambda kv: -kv[1]))
     children = ", ".join(c.name for c in store.children(name)) or "-"
-    return "\n".join([
-        f"file            {rec.path}",
-        f"size            {human_size(info.size_bytes)}  ({info.bpw:.2f} bits/weight)",
-        f"level           {info.level}",
-        f"architecture    {info.architecture}  ({human_params(info.parameters)} parameters)",
-        f"layers          {info.block_count} x {info.embedding_length} wide, {info.head_count} heads ({info.head_count_kv} KV)",
-        f"context length  {info.context_length:,}",
-        f"vocabulary      {info.vocab_size:,}",
-        f"tensors         {info.tensor_count}: {types}",
-        f"RAM             {estimate(info, ctx=DEFAULT_CTX).describe()}",
-        f"chat template   {'yes' if info.has_chat_template else 'no'}",
-        f"source          {rec.source or '-'}",
-        f"parent          {rec.parent or '-'}",
-        f"children        {children}",
-        f"sha256          {rec.sha256}",
-    ])
+    return "\n".join(
+        [
+            f"file            {rec.path}",
+            f"size            {human_size(info.size_bytes)}  ({info.bpw:.2f} bits/weight)",
+            f"level           {info.level}",
+            f"architecture    {info.architecture}  ({human_params(info.parameters)} parameters)",
+            f"layers          {info.block_count} x {info.embedding_length} wide, {info.head_count} heads ({info.head_count_kv} KV)",
+            f"context length  {info.context_length:,}",
+            f"vocabulary      {info.vocab_size:,}",
+            f"tensors         {info.tensor_count}: {types}",
+            f"RAM             {estimate(info, ctx=DEFAULT_CTX).describe()}",
+            f"chat template   {'yes' if info.has_chat_template else 'no'}",
+            f"source          {rec.source or '-'}",
+            f"parent          {rec.parent or '-'}",
+            f"children        {children}",
+            f"sha256          {rec.sha256}",
+        ]
+    )

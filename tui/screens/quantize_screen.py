@@ -26,13 +26,12 @@ from edgellm.fsutil import human_size
 from edgellm.progress import CancelToken, Progress
 from quant.levels import all_levels
 from quant.quantize import QuantizeResult, quantize
-
-from tui.widgets.checklist import CheckBox, CheckList
 from tui.screens import budget_form
+from tui.screens.base import REFRESH, BaseScreen
+from tui.widgets.checklist import CheckBox, CheckList
 from tui.widgets.fields import set_choices, steady_cursors
 from tui.widgets.jobbar import JobBar
 from tui.widgets.tables import fill
-from tui.screens.base import REFRESH, BaseScreen
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class QuantizeScreen(BaseScreen):
         super().__init__()
         self.jobs: dict[int, Job] = {}
         self._ids = itertools.count(1)
-        self._queue: "queue.Queue[Job]" = queue.Queue()
+        self._queue: queue.Queue[Job] = queue.Queue()
         self._lock = threading.Lock()
         self._runner_active = False
         self.current: Optional[Job] = None
@@ -108,8 +107,11 @@ class QuantizeScreen(BaseScreen):
                     yield Input("", placeholder="e.g. q4_1", id="quant-exclude")
                     yield Static("", id="quant-exclude-why", markup=False)
                     yield Label("Importance matrix")
-                    yield Select([("auto: stored, else compute now on the shipped text", budget_form.IMATRIX_AUTO)],
-                                 id="quant-imatrix", allow_blank=False)
+                    yield Select(
+                        [("auto: stored, else compute now on the shipped text", budget_form.IMATRIX_AUTO)],
+                        id="quant-imatrix",
+                        allow_blank=False,
+                    )
                 yield Button("Queue (a)", id="quant-go", variant="primary")
             with Vertical(id="quant-right"):
                 yield Label("Jobs  [dim](x cancels the selected job)[/]", classes="pane-title")
@@ -146,8 +148,12 @@ class QuantizeScreen(BaseScreen):
         """The RAM figure beside the field and the base's own source type pre-ticked (read in a worker)."""
         base = budget_form_base(self)
         if base:
-            self.in_background("budget hints", lambda: (budget_form.ram_hint(base), budget_form.dequantized_from(base)),
-                               self._show_hints, group="hints")
+            self.in_background(
+                "budget hints",
+                lambda: (budget_form.ram_hint(base), budget_form.dequantized_from(base)),
+                self._show_hints,
+                group="hints",
+            )
 
     def _show_hints(self, hints: tuple[str, str]) -> None:
         ram, src = hints
@@ -199,8 +205,13 @@ class QuantizeScreen(BaseScreen):
         if err:
             return
         imatrix = self.query_one("#quant-imatrix", Select).value
-        self.queue_job(str(base), "budget", budget=budget, exclude=exclude,
-                       imatrix=imatrix if isinstance(imatrix, str) else budget_form.IMATRIX_AUTO)
+        self.queue_job(
+            str(base),
+            "budget",
+            budget=budget,
+            exclude=exclude,
+            imatrix=imatrix if isinstance(imatrix, str) else budget_form.IMATRIX_AUTO,
+        )
 
     def queue_job(self, base: str, level: str, *, allow_requantize: bool = False, **budget) -> Job:
         job = Job(next(self._ids), base, level, self.app.new_token(), allow_requantize=allow_requantize, **budget)
@@ -255,13 +266,26 @@ class QuantizeScreen(BaseScreen):
 
         if job.budget:
             ok, out = self.run_guarded(
-                f"quantize {job.base} → {job.label}", budget_form.run_budget, job.base, job.budget, job.exclude,
-                job.imatrix, on_progress=on_progress, cancel=job.token, token=job.token,
+                f"quantize {job.base} → {job.label}",
+                budget_form.run_budget,
+                job.base,
+                job.budget,
+                job.exclude,
+                job.imatrix,
+                on_progress=on_progress,
+                cancel=job.token,
+                token=job.token,
             )
         else:
             ok, out = self.run_guarded(
-                f"quantize {job.base} → {job.label}", quantize, job.base, [job.level],
-                allow_requantize=job.allow_requantize, on_progress=on_progress, cancel=job.token, token=job.token,
+                f"quantize {job.base} → {job.label}",
+                quantize,
+                job.base,
+                [job.level],
+                allow_requantize=job.allow_requantize,
+                on_progress=on_progress,
+                cancel=job.token,
+                token=job.token,
             )
         self.current = None
         if ok and job.budget:
@@ -292,10 +316,23 @@ class QuantizeScreen(BaseScreen):
         if job.status == "done":
             self.notify(f"quantized {job.base} to {job.label}")
             self.results.extend(job.results)
-            fill(self.query_one("#quant-results", DataTable), [
-                ((r.name, r.level.upper(), human_size(r.size_bytes), f"{r.bpw:.2f}", str(r.fallback_tensors), f"{r.seconds:.1f}"), None)
-                for r in self.results
-            ])
+            fill(
+                self.query_one("#quant-results", DataTable),
+                [
+                    (
+                        (
+                            r.name,
+                            r.level.upper(),
+                            human_size(r.size_bytes),
+                            f"{r.bpw:.2f}",
+                            str(r.fallback_tensors),
+                            f"{r.seconds:.1f}",
+                        ),
+                        None,
+                    )
+                    for r in self.results
+                ],
+            )
 
     # -- cancelling ---------------------------------------------------------
 
@@ -316,7 +353,6 @@ class QuantizeScreen(BaseScreen):
                 job.status, job.reason = "cancelled", "cancelled by the user"
                 self._show(job)
             self.notify(f"cancelling job #{job.id}...")
-
 
 
 def budget_form_base(screen: QuantizeScreen) -> str:

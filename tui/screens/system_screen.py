@@ -32,8 +32,12 @@ log = logging.getLogger(__name__)
 
 class SystemScreen(BaseScreen):
     MODE = "system"
-    BINDINGS = [Binding("r", "doctor", "Run doctor"), Binding("s", "doctor(False)", "Doctor w/o self-test"),
-                Binding("d", "devices", "GPU devices"), Binding("p", "probe", "Probe workers")]
+    BINDINGS = [
+        Binding("r", "doctor", "Run doctor"),
+        Binding("s", "doctor(False)", "Doctor w/o self-test"),
+        Binding("d", "devices", "GPU devices"),
+        Binding("p", "probe", "Probe workers"),
+    ]
     BUTTONS = {"rpc-probe": "probe"}
     DEFAULT_CSS = """
     #rpc-form { height: 3; }
@@ -138,7 +142,9 @@ class SystemScreen(BaseScreen):
             self.notify("the doctor is already running", severity="warning")
             return
         self.running = True
-        self.query_one("#doctor-report", Static).update("Running the doctor" + (" and the self-test (a few seconds)..." if self_test else "..."))
+        self.query_one("#doctor-report", Static).update(
+            "Running the doctor" + (" and the self-test (a few seconds)..." if self_test else "...")
+        )
         self._doctor(self_test)
 
     @work(thread=True, group="doctor", exclusive=True)
@@ -183,12 +189,19 @@ def render_report(rep) -> Table:
     t.add_row("ram", f"{human_size(rep.ram_total_bytes)} total, {human_size(rep.ram_available_bytes)} available")
     t.add_row("store", f"{rep.home} ({human_size(rep.disk_free_bytes)} free)")
     if st.ok:
-        t.add_row("self-test", Text(f"passed: {st.tokens} tokens at {st.tokens_per_second:.1f} tok/s ({st.text!r})", style="green"))
+        t.add_row(
+            "self-test", Text(f"passed: {st.tokens} tokens at {st.tokens_per_second:.1f} tok/s ({st.text!r})", style="green")
+        )
     elif st.message == "skipped":
         t.add_row("self-test", Text("skipped", style="dim"))
     else:
         t.add_row("self-test", Text(f"FAILED: {st.message}", style="bold red"))
     for w in rep.warnings:
         t.add_row("warning", Text(w, style="yellow"))
-    t.add_row("verdict", Text("OK", style="bold green") if rep.ok else Text("problems found" if st.message != "skipped" else "self-test not run", style="bold yellow"))
+    t.add_row(
+        "verdict",
+        Text("OK", style="bold green")
+        if rep.ok
+        else Text("problems found" if st.message != "skipped" else "self-test not run", style="bold yellow"),
+    )
     return t

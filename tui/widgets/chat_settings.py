@@ -75,17 +75,25 @@ class ChatSettings(VerticalScroll):
         v = self.values()
         if v["use_rpc"] and not v["rpc"]:
             raise UsageError("RPC workers: none configured; enter HOST:PORT on the System screen (F6) first")
-        return RuntimeOptions(n_ctx=_int(v["ctx"], "ctx", lo=16), n_threads=_opt_int(v["threads"], "threads", lo=1),
-                              n_gpu_layers=gpu_layers(v["gpu_layers"]), gpu_device=v["gpu_device"] or None,
-                              gpu_mem=gpu_mem(v["gpu_mem"]), rpc=v["rpc"] or None)
+        return RuntimeOptions(
+            n_ctx=_int(v["ctx"], "ctx", lo=16),
+            n_threads=_opt_int(v["threads"], "threads", lo=1),
+            n_gpu_layers=gpu_layers(v["gpu_layers"]),
+            gpu_device=v["gpu_device"] or None,
+            gpu_mem=gpu_mem(v["gpu_mem"]),
+            rpc=v["rpc"] or None,
+        )
 
     def sampling(self) -> SamplingParams:
         v = self.values()
         return SamplingParams(
-            temperature=_float(v["temperature"], "temperature"), top_k=_int(v["top_k"], "top_k", lo=0),
-            top_p=_float(v["top_p"], "top_p"), min_p=_float(v["min_p"], "min_p"),
+            temperature=_float(v["temperature"], "temperature"),
+            top_k=_int(v["top_k"], "top_k", lo=0),
+            top_p=_float(v["top_p"], "top_p"),
+            min_p=_float(v["min_p"], "min_p"),
             repeat_penalty=_float(v["repeat_penalty"], "repeat_penalty"),
-            max_tokens=_int(v["max_tokens"], "max_tokens", lo=1), seed=_opt_int(v["seed"], "seed"),
+            max_tokens=_int(v["max_tokens"], "max_tokens", lo=1),
+            seed=_opt_int(v["seed"], "seed"),
         )
 
 

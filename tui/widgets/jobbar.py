@@ -13,7 +13,9 @@ from edgellm.progress import Progress, format_amount
 def describe(p: Progress) -> str:
     parts = []
     if p.total:
-        parts.append(f"{format_amount(p.done, p.unit)}/{format_amount(p.total, p.unit)} {p.unit if p.unit != 'B' else ''}".rstrip())
+        parts.append(
+            f"{format_amount(p.done, p.unit)}/{format_amount(p.total, p.unit)} {p.unit if p.unit != 'B' else ''}".rstrip()
+        )
     elif p.done:
         parts.append(f"{format_amount(p.done, p.unit)} {p.unit}".rstrip())
     if p.rate:

@@ -36,7 +36,11 @@ class Dialog(ModalScreen[R]):
 class ConfirmModal(Dialog[bool]):
     """Yes/No. Dismisses with True only on an explicit yes."""
 
-    BINDINGS = [Binding("escape", "dismiss(False)", "No"), Binding("y", "dismiss(True)", "Yes"), Binding("n", "dismiss(False)", "No")]
+    BINDINGS = [
+        Binding("escape", "dismiss(False)", "No"),
+        Binding("y", "dismiss(True)", "Yes"),
+        Binding("n", "dismiss(False)", "No"),
+    ]
 
     def __init__(self, question: str, *, yes: str = "Delete") -> None:
         super().__init__(question)

@@ -5,7 +5,7 @@ dependency; it redraws to its size."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from rich.text import Text
 from textual.widget import Widget
@@ -23,8 +23,14 @@ class ScatterPlot(Widget):
         self.points: list[tuple[float, float, str]] = []
         self.series: list[str] = []
 
-    def set_points(self, points: Sequence[tuple[float, float, str]], *, x_label: str | None = None, y_label: str | None = None,
-                   series: Sequence[str] | None = None) -> None:
+    def set_points(
+        self,
+        points: Sequence[tuple[float, float, str]],
+        *,
+        x_label: str | None = None,
+        y_label: str | None = None,
+        series: Sequence[str] | None = None,
+    ) -> None:
         """`series`, one name per point, gives each group its own marker and colour and one legend entry."""
         self.points = [(float(x), float(y), str(lbl)) for x, y, lbl in points]
         self.series = [str(s) for s in series] if series is not None and len(series) == len(self.points) else []
@@ -75,7 +81,7 @@ class ScatterPlot(Widget):
             else:
                 tick = ""
             out.append(f"{tick:>{y_ax - 1}} │", style="dim")
-            for cch, st in zip(grid[r], styles[r]):
+            for cch, st in zip(grid[r], styles[r], strict=False):
                 out.append(cch, style=st or None)
             out.append("\n")
         out.append(" " * (y_ax - 1) + " └" + "─" * pw + "\n", style="dim")

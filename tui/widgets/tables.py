@@ -8,7 +8,8 @@ before the rows are added leave nothing to measure later.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 from rich.cells import cell_len
 from rich.text import Text
