@@ -83,13 +83,14 @@ def parse_budget(text: str, info: GGUFInfo, *, ctx: int = DEFAULT_CTX) -> Budget
         return Budget(n, f"ram ({n / 1e6:.1f} MB free for weights beside a {ctx}-token KV cache)")
     if m := re.fullmatch(r"(\d+(?:\.\d+)?)bpw", t):
         return Budget(int(float(m.group(1)) * info.parameters / 8), text)
+    size: Optional[int]
     try:
-        n = units.parse_size(t, option="--budget")
+        size = units.parse_size(t, option="--budget")
     except UsageError:
-        n = None
-    if n is None:
+        size = None
+    if size is None:
         raise UsageError(f"--budget {text!r}: give a size (100MB, 95MiB; {units.SIZE_HELP}), bits per weight (4.5bpw) or ram")
-    return Budget(n, text)
+    return Budget(size, text)
 
 
 @dataclass
@@ -214,7 +215,7 @@ def allocate(mats: list[Matrix], limit: int) -> tuple[dict[str, str], int]:
     used = sum(h[0][1] for h in hulls.values())
     if used > limit:
         raise QuantizeError("budget below the smallest file")  # caught and reworded by the caller
-    heap = []
+    heap: list[tuple[float, str]] = []
     for n, h in hulls.items():
         if len(h) > 1:
             heapq.heappush(heap, (-(h[0][2] - h[1][2]) / (h[1][1] - h[0][1]), n))
