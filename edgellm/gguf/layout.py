@@ -318,8 +318,13 @@ def _parse_file(path: Path, size: int, *, raw: bool = False) -> _Parsed:
                     # minimum 8 bytes per string: reject impossible counts before looping
                     need(8 * count, key)
                     keep = count <= _KEEP_ARRAYS
-                    blobs = [raw_string(key) for _i in range(count)] if (keep or raw) else None
-                    if blobs is None:
+                    if keep or raw:
+                        blobs = [raw_string(key) for _i in range(count)]
+                        if keep:
+                            out.fields[key] = [b.decode("utf-8", "replace") for b in blobs]
+                        if raw:
+                            out.raw_kvs.append((key, t, blobs, et))
+                    else:
                         # only counted (vocabularies, merges: 10^5 strings): walked in a tight
                         # loop, the same checks as raw_string without its call overhead
                         p = pos
@@ -332,10 +337,6 @@ def _parse_file(path: Path, size: int, *, raw: bool = False) -> _Parsed:
                             p += 8 + n
                         need(p - pos, key)
                         pos = p
-                    if keep:
-                        out.fields[key] = [b.decode("utf-8", "replace") for b in blobs]
-                    if raw:
-                        out.raw_kvs.append((key, t, blobs, et))
                 else:
                     raise GGUFError(f"{path.name}: {key} has an array of unsupported type {et}")
                 out.array_lengths[key] = count
@@ -369,8 +370,8 @@ def _parse_file(path: Path, size: int, *, raw: bool = False) -> _Parsed:
                 n_el *= d
             out.tensors.append(_Tensor(name, shape, type_id, qtype.name, offset, n_el, n_el // block * type_size))
         out.data_offset = (pos + align - 1) // align * align
-        for t in out.tensors:
-            t.data_offset = out.data_offset + t.offset
+        for tensor in out.tensors:
+            tensor.data_offset = out.data_offset + tensor.offset
     finally:
         mm.close()
     return out

@@ -94,11 +94,11 @@ def read_gguf(path: Path | str, *, check: bool = True) -> GGUFInfo:
     return info
 
 
-def _guess_level(types: Counter) -> str:
+def _guess_level(types: Counter[str]) -> str:
     weights = {k: v for k, v in types.items() if k not in ("F32",)}
     if not weights:
         return "f32"
-    return max(weights, key=weights.get).lower()
+    return max(weights, key=lambda k: weights[k]).lower()
 
 
 def split_set(path: Path) -> list[Path]:

@@ -97,9 +97,9 @@ def _check_llama_shapes(info: GGUFInfo, tensors, has_blocks: bool) -> None:
             raise GGUFError(f"{name}: {arch}.{key} is missing or zero")
     md = info.metadata
     for key in ("attention.head_count_kv", "vocab_size", "feed_forward_length"):
-        v = md.get(f"{arch}.{key}")
-        if isinstance(v, int) and v <= 0:
-            raise GGUFError(f"{name}: {arch}.{key} is {v}")
+        got = md.get(f"{arch}.{key}")
+        if isinstance(got, int) and got <= 0:
+            raise GGUFError(f"{name}: {arch}.{key} is {got}")
     n_embd, n_head = info.embedding_length, info.head_count
     n_head_kv = info.head_count_kv or n_head
     head_dim = md.get(f"{arch}.attention.key_length") or (n_embd // n_head if n_head else 0)

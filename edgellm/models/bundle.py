@@ -97,7 +97,7 @@ def _export_one(rec: ModelRecord, root: Path, *, on_progress, cancel) -> dict[st
     folder = root / rec.name
     folder.mkdir()
     want = _file_shas(rec)
-    files = []
+    files: list[dict[str, Any]] = []
     for rel, src in zip(rec.files, rec.paths, strict=False):
         target = folder / src.name
         size = src.stat().st_size
@@ -178,9 +178,8 @@ def read_manifest(folder: Path | str) -> dict[str, Any]:
     for m in models:
         if not isinstance(m, dict):
             raise IntegrityError(f"{mpath}: a model entry is not an object")
-        name = m.get("name")
         try:
-            validate_name(name)
+            name = validate_name(m.get("name"))
         except UsageError as e:
             raise IntegrityError(f"{mpath}: {e}") from None
         if name in seen_names:

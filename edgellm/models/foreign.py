@@ -232,7 +232,7 @@ def _hf(root: Path) -> list[ForeignModel]:
 
 def select(tool: str, models: list[ForeignModel], wanted: list[str]) -> list[ForeignModel]:
     """The models named in `wanted` (the tool's name, or the store name it would get)."""
-    chosen = []
+    chosen: list[ForeignModel] = []
     for w in wanted:
         hits = [
             m for m in models if w in (m.name, m.store_name) or (tool == "ollama" and ":" not in w and m.name == f"{w}:latest")

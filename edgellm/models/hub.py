@@ -344,8 +344,9 @@ def _download_and_register(
         with _removed_unless_registered(store, name, finals):
             for f in files:
                 final = folder / Path(f.filename).name
-                if cached[f.sha256] is not None:
-                    _adopt(cached[f.sha256], final, f, on_progress=on_progress, cancel=cancel)
+                in_cache = cached[f.sha256]
+                if in_cache is not None:
+                    _adopt(in_cache, final, f, on_progress=on_progress, cancel=cancel)
                 else:
                     part = fetch(dl, f, locate, commit=commit, repo=target.repo, on_progress=on_progress, cancel=cancel)
                     verify(part, f, on_progress=on_progress, cancel=cancel)
@@ -467,7 +468,9 @@ def _pull_offline(store: Store, target: Target, *, on_progress, cancel) -> Model
     name = target.name or _default_name(filenames[0])
     if rec := _existing(store, Target(target.repo, target.level, filenames, target.revision, name, target.catalog), filenames):
         return rec
-    files, finals, shas = [], [], {}
+    files: list[RemoteFile] = []
+    finals: list[Path] = []
+    shas: dict[str, str] = {}
     folder = store.model_folder(name)
     with _removed_unless_registered(store, name, finals):
         for fn in filenames:

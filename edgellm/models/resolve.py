@@ -130,7 +130,11 @@ def import_file(
     name = validate_name(name or _default_import_name(path, info))
     if store.find(name):
         raise ModelExists(f"a model named '{name}' already exists (use --name to pick another)")
-    targets, files, shas, total, extra = [], [], {}, 0, {}
+    targets: list[Path] = []
+    files: list[str] = []
+    shas: dict[str, str] = {}
+    total = 0
+    extra: dict[str, dict[str, str]] = {}
     try:
         for s in shards:
             if link:

@@ -12,6 +12,7 @@ the index lists is always loadable; `check()` verifies that promise.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import json
@@ -35,7 +36,7 @@ INDEX_VERSION = 1
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 
 
-def validate_name(name: str) -> str:
+def validate_name(name: object) -> str:
     """A model name is also a folder name: refuse anything that could escape it."""
     if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
         shown = repr(name) if len(str(name)) <= 60 else repr(str(name)[:60]) + "..."
@@ -138,7 +139,8 @@ class Store:
         m = self._read()["models"].get(name)
         return ModelRecord.from_json(m) if m else None
 
-    def children(self, name: str) -> list[ModelRecord]:
+    # builtins.list: inside the class, `list` is the method above
+    def children(self, name: str) -> builtins.list[ModelRecord]:
         return [m for m in self.list() if m.parent == name]
 
     # -- writing -----------------------------------------------------------
@@ -214,7 +216,7 @@ class Store:
 
     # -- housekeeping ------------------------------------------------------
 
-    def cleanup(self) -> list[Path]:
+    def cleanup(self) -> builtins.list[Path]:
         """Remove temp files that killed jobs left anywhere under EDGELLM_HOME."""
         return remove_stale_partials(self.home)
 

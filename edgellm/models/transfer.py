@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional, cast
 
 from edgellm.errors import Cancelled, DownloadError, EdgeLLMError, IntegrityError, ModelNotFound, one_line
 from edgellm.fsutil import atomic_write_text, human_size, sha256_file
@@ -269,7 +269,7 @@ def _get_range(url: str, headers: dict, fh, start: int, end: int, report, cancel
     writer = _SegmentWriter(fh, end, report, cancel)
     http_get(
         url,
-        writer,
+        cast(BinaryIO, writer),  # http_get calls only write() and tell(), which it has
         headers={**headers, "Range": f"bytes={start}-{end - 1}"},
         expected_size=end - start,
         displayed_filename="edgellm",
