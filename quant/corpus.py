@@ -70,6 +70,7 @@ def load_text(text: Optional[str | Path] = None, corpus: Optional[str] = None) -
             data = _builtin_text()
             return Text(data, BUILTIN_CORPUS, hashlib.sha256(data).hexdigest())
         raise UsageError(f"unknown corpus {corpus!r} (known: {', '.join(CORPORA)})")
+    assert text is not None  # exactly one of the two, and it was not corpus
     return _read_text_file(Path(text))
 
 

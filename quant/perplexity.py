@@ -71,14 +71,16 @@ class _Batch:
         # seq_id is an array of per-token pointers; point each at its slot of `seq`.
         self._seq_ptrs = (self.seq.ctypes.data + 4 * np.arange(capacity, dtype=np.uintp)).astype(np.uintp)
         i32p = ctypes.POINTER(ctypes.c_int32)
-        self.struct = llama_cpp.llama_batch()
-        self.struct.token = self.token.ctypes.data_as(i32p)
-        self.struct.embd = None
-        self.struct.pos = self.pos.ctypes.data_as(i32p)
-        self.struct.n_seq_id = self.n_seq_id.ctypes.data_as(i32p)
-        self.struct.seq_id = ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(i32p))
-        self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
-        self.struct.n_tokens = 0
+        # By keyword: the fields are pointers (llama-cpp-python's annotations call them arrays).
+        self.struct = llama_cpp.llama_batch(
+            n_tokens=0,
+            token=self.token.ctypes.data_as(i32p),
+            embd=None,
+            pos=self.pos.ctypes.data_as(i32p),
+            n_seq_id=self.n_seq_id.ctypes.data_as(i32p),
+            seq_id=ctypes.cast(self._seq_ptrs.ctypes.data, ctypes.POINTER(i32p)),
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
 
     def fill_chunks(
         self,

@@ -254,8 +254,8 @@ def _quantize_all(
         log.warning("%s", w)
     if len(workers) > 1 and not _fits_side_by_side(info, len(workers)):
         log.info("not enough free RAM for %d levels side by side: one at a time", len(workers))
-        for w in workers[1:]:
-            w.close()
+        for spare in workers[1:]:
+            spare.close()
         del workers[1:]
         workers[0].threads = nthread
     if cancel is not None:

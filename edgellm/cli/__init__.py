@@ -16,7 +16,7 @@ import importlib
 import logging
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import click
 
@@ -47,15 +47,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-class OneLineError(click.ClickException):
-    """How every failure reaches the terminal: `error: <message>`, exit code kept."""
-
-    def __init__(self, message: str, exit_code: int = 1) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
+def fail(message: str, exit_code: int = 1) -> NoReturn:
+    """How every failure reaches the terminal: `error: <message>` on stderr, exit code kept.
+    (click's ClickException takes its exit code from the class; ours come from each error.)"""
+    click.echo(f"error: {message}", err=True)
+    raise click.exceptions.Exit(exit_code) from None
 
 
 class LazyGroup(click.Group):
@@ -73,17 +69,17 @@ class LazyGroup(click.Group):
         try:
             return super().invoke(ctx)
         except EdgeLLMError as e:
-            raise OneLineError(str(e), e.exit_code) from None
+            fail(str(e), e.exit_code)
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except KeyboardInterrupt:
-            raise OneLineError("cancelled", 130) from None
+            fail("cancelled", 130)
         except BrokenPipeError:
             raise click.exceptions.Exit(1) from None
         except Exception as e:  # never a traceback for the user; one line and a way to get more
             if os.environ.get("EDGELLM_DEBUG"):
                 raise
-            raise OneLineError(f"internal error: {one_line(e, typed=True)} (set EDGELLM_DEBUG=1 for details)", 1) from None
+            fail(f"internal error: {one_line(e, typed=True)} (set EDGELLM_DEBUG=1 for details)")
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Help from the table: listing commands must not import them.
@@ -118,7 +114,9 @@ def cli(ctx: click.Context, verbose: int) -> None:
         ctx.call_on_close(close_spares)  # one command's spare is never another's (their env may differ)
     _startup_cleanup()
     if ctx.invoked_subcommand is None:
-        ctx.invoke(cli.get_command(ctx, "tui"))
+        from edgellm.cli.tui_cmds import tui_cmd  # as every command: imported only when it runs
+
+        ctx.invoke(tui_cmd)
 
 
 def _startup_cleanup() -> None:

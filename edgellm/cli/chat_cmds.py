@@ -230,6 +230,7 @@ def chat_cmd(
                 else:
                     _stream_reply(session, prompt, cancel)
             st = session.last_stats
+            assert st is not None  # set by the turn that just ran
             if as_json:
                 emit_json(
                     {

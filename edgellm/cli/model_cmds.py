@@ -103,10 +103,10 @@ def list_cmd(as_json: bool, local: bool) -> None:
         click.echo("\nCatalog (pull NAME[:LEVEL]; RAM needed at the default level, estimated from the parameters):")
         for e in catalog:
             mark = "*" if e.default else " "
-            need = cat_needs[e.name]
+            est = cat_needs[e.name]
             click.echo(
                 f" {mark}{e.name:<28} {e.parameters / 1e9:5.2f}B  ctx {e.context_length:<6} {e.license:<11} "
-                f"{fit_mark(need, ram)} {human_size(need):>9}  levels: {', '.join(e.levels)}"
+                f"{fit_mark(est, ram)} {human_size(est):>9}  levels: {', '.join(e.levels)}"
             )
 
 

@@ -51,8 +51,8 @@ def cancellable() -> Iterator[Any]:
     try:
         yield token
     finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
+        for signum, h in old.items():
+            signal.signal(signum, h)
 
 
 def progress_bar(enabled: bool = True):

@@ -280,6 +280,7 @@ class BatchEngine:
         s.draft = []
 
     def _sample(self, s: Sequence, now: float) -> None:
+        assert s.sampler is not None and s.text is not None  # a seated sequence has both (add)
         tok = s.sampler.sample(self.ctx, s.out)
         st = s.stats
         if not s.t_first:
@@ -303,6 +304,7 @@ class BatchEngine:
             s.spec.push(tok)
 
     def _finish(self, s: Sequence, reason: str) -> None:
+        assert s.sampler is not None and s.text is not None  # only seated sequences finish (add)
         st = s.stats
         st.stop_reason = reason
         if s.spec is not None:

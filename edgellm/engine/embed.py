@@ -131,12 +131,9 @@ class Embedder:
             out[i] = [x / norm for x in vec]
 
     def close(self) -> None:
-        if self.batch is not None:
-            self.batch.close()
-            self.batch = None  # type: ignore[assignment]
-        if self.ctx_obj is not None:
-            self.ctx_obj.close()
-            self.ctx_obj = None
+        # Both free their native memory once, however often they are closed.
+        self.batch.close()
+        self.ctx_obj.close()
 
 
 def embed_texts(

@@ -77,8 +77,17 @@ def _failure_reason(log_text: str, exc: BaseException) -> str:
     return one_line(exc, 200)
 
 
+class _LoadFailed(Exception):
+    """Llama() refused: its exception and what llama.cpp logged before it (where the reason is)."""
+
+    def __init__(self, exc: Exception, log_text: str) -> None:
+        super().__init__(str(exc))
+        self.reason = _failure_reason(log_text, exc)
+
+
 def _load_logged(llama_cpp, kw: dict[str, Any], *, verbose: bool, quiet):
-    """Llama(**kw) with llama.cpp's log captured (the buffer sizes and any failure reason are in it)."""
+    """Llama(**kw) with llama.cpp's log captured (the buffer sizes and any failure reason are in it).
+    Raises _LoadFailed when llama.cpp refuses the load."""
     from llama_cpp import _logger  # llama_cpp loads libllama: only where llama.cpp runs
 
     lines: list[str] = []
@@ -93,8 +102,7 @@ def _load_logged(llama_cpp, kw: dict[str, Any], *, verbose: bool, quiet):
             try:
                 llm = llama_cpp.Llama(**kw)
             except (ValueError, RuntimeError, OSError) as e:
-                e.llama_log = "".join(lines)  # type: ignore[attr-defined]
-                raise
+                raise _LoadFailed(e, "".join(lines)) from e
     finally:
         llama_cpp.llama_log_set(_logger.llama_log_callback, None)
     text = "".join(lines)
@@ -114,8 +122,8 @@ def load_llama(kw: dict[str, Any], plan: Optional[GpuPlan], *, name: str, quiet=
     try:
         llm, text = _load_logged(llama_cpp, kw, verbose=verbose, quiet=quiet)
         return llm, text, plan
-    except (ValueError, RuntimeError, OSError) as e:
-        reason = _failure_reason(getattr(e, "llama_log", ""), e)
+    except _LoadFailed as e:
+        reason = e.reason
         # no plan: layers placed by someone else (--rpc), whose failures are theirs to report
         if plan is None or not plan.n_gpu_layers:
             raise RuntimeFailure(f"llama.cpp could not load {name}: {reason}") from None
@@ -137,6 +145,6 @@ def load_llama(kw: dict[str, Any], plan: Optional[GpuPlan], *, name: str, quiet=
     kw = {**kw, **plan.llama_kwargs()}
     try:
         llm, text = _load_logged(llama_cpp, kw, verbose=verbose, quiet=quiet)
-    except (ValueError, RuntimeError, OSError) as e:
-        raise RuntimeFailure(f"llama.cpp could not load {name}: {_failure_reason(getattr(e, 'llama_log', ''), e)}") from None
+    except _LoadFailed as e:
+        raise RuntimeFailure(f"llama.cpp could not load {name}: {e.reason}") from None
     return llm, text, plan

@@ -16,10 +16,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from edgellm.engine import backends, hardware
 from edgellm.engine.gpu_load import allocation_report, load_llama
@@ -29,6 +29,9 @@ from edgellm.engine.native_io import capture_native_stderr, silence_native_stder
 from edgellm.errors import Cancelled, UsageError
 from edgellm.gguf.reader import read_gguf
 from edgellm.progress import CancelToken
+
+if TYPE_CHECKING:
+    from edgellm.engine.decode import Batch  # imported where the first stream needs it
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +142,12 @@ def resolve_gpu_layers(value: Union[int, str], *, warn: Callable[[str], None] = 
 
 class Runtime:
     """One model loaded in llama.cpp."""
+
+    # Set by _engine() on the first stream, per llama.cpp context: the tokens the KV cache holds,
+    # and the decode batch allocated for that context.
+    _kv: list[int]
+    _batch: Optional[Batch]
+    _batch_ctx: Any
 
     # long: the load is one sequence: validate, size (RAM, GPU, RPC plans), load, fall back to the CPU; split, the order would hide
     def __init__(
@@ -352,7 +361,7 @@ class Runtime:
         *,
         cancel: Optional[CancelToken] = None,
         stats: Optional[GenerationStats] = None,
-    ) -> Iterator[str]:
+    ) -> Generator[str, None, None]:
         """Yield text pieces as they are generated; fill `stats` as it goes.
 
         Only the tokens past the longest prefix already in the KV cache are

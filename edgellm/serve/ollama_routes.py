@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Any
+from typing import Any, Optional
 
 from edgellm.serve import tools
 from edgellm.serve.common import FINISH, Running, ServeContext, json_response, read_json, submit
@@ -59,7 +59,7 @@ def _chat_messages(msgs: Any) -> list[dict[str, Any]]:
     if not isinstance(msgs, list):
         raise ApiError(400, "'messages' must be a list", param="messages", code="invalid_type")
     out: list[dict[str, Any]] = []
-    open_calls: list[tuple[str, str]] = []  # (id, name) of calls not answered yet, oldest first
+    open_calls: list[tuple[str, Optional[str]]] = []  # (id, name) of calls not answered yet, oldest first
     for m in msgs:
         if not isinstance(m, dict):
             raise ApiError(400, "each message must be an object", param="messages", code="invalid_type")
@@ -152,7 +152,9 @@ def routes(ctx: ServeContext) -> list[Any]:
         stream = body.get("stream") is not False  # Ollama streams unless told not to
         run = await submit(ctx, request, spec, req, stream=stream)
         plan = run.start.get("plan")
-        hold = plan is not None and bool(plan.request.offered())
+        # with tools offered, the reply is held back whole and parsed for calls by its plan
+        held = plan if plan is not None and plan.request.offered() else None
+        hold = held is not None
         name = body.get("model")
         notes = _num_ctx_note(ctx, spec, body)
 
@@ -163,15 +165,15 @@ def routes(ctx: ServeContext) -> list[Any]:
         def last(text: str, stats: Any) -> dict[str, Any]:
             done = piece("" if not hold else text)
             reason = FINISH.get(stats.stop_reason, "stop")
-            if hold:
-                parsed = plan.parse(text, cut=stats.stop_reason == "length")
+            if held is not None:
+                parsed = held.parse(text, cut=stats.stop_reason == "length")
                 ctx.metrics.count_tool_calls(len(parsed.calls))
                 done[key]["content"] = parsed.content or ""
                 if parsed.calls:
                     done[key]["tool_calls"] = [
                         {"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in parsed.calls
                     ]
-                notes.extend(plan.warnings + parsed.warnings)
+                notes.extend(held.warnings + parsed.warnings)
             if notes:
                 done["warnings"] = notes
             done.update(done=True, done_reason=reason, **_durations(run, stats))

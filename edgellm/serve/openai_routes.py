@@ -91,6 +91,7 @@ def routes(ctx: ServeContext) -> list[Any]:
         if stream:
             return _sse(ctx, run, kind, meta, include_usage)
         got = await run.collect()
+        assert got.stats is not None  # a generation ends with its stats (an error raises instead)
         usage, timings = usage_and_timings(run.start, got.stats)
         text = "".join(got.text)
         extra: dict[str, Any] = {}

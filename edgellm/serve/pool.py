@@ -51,12 +51,12 @@ def default_parallel() -> int:
 @dataclass
 class _Slot:
     spec: ModelSpec
-    jobs: collections.deque = field(default_factory=collections.deque)
+    jobs: collections.deque[Job] = field(default_factory=collections.deque)
     runtime: Optional[Runtime] = None
     template: Any = None  # edgellm.chat.template.ChatTemplate of the loaded runtime
     engine: Any = None  # edgellm.engine.batch.BatchEngine on the runtime
     embedder: Any = None  # edgellm.engine.embed.Embedder, made at the first embeddings request
-    running: set = field(default_factory=set)  # jobs seated in the engine
+    running: set[Job] = field(default_factory=set)  # jobs seated in the engine
     admitting: int = 0
     loading: bool = False
     thread: Optional[threading.Thread] = None
@@ -181,7 +181,7 @@ class ModelPool:
         """Refuse new work, fail queued jobs, cancel the running ones (they stop at the next step)."""
         with self._cond:
             self._closing = True
-            dropped = []
+            dropped: list[Job] = []
             for s in self._slots.values():
                 dropped.extend(s.jobs)
                 s.jobs.clear()
@@ -225,7 +225,7 @@ class ModelPool:
                     self._cond.wait()
                 if self._closing and not slot.running:
                     return
-                take = []
+                take: list[Job] = []
                 while not self._closing and self._may_take(slot) and len(slot.running) + len(take) < self.parallel:
                     take.append(slot.jobs.popleft())
                 slot.admitting = len(take)
