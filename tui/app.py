@@ -2,10 +2,10 @@
 
 The app holds no model logic. Each screen parses what the user picked, starts
 one core call in a thread worker, and renders the progress events and the
-result. What lives here: the global bindings (the screen table is tui.modes), the
-app-wide settings a test pins (RAM figure, autorun), the set of cancel
-tokens that must be stopped on quit, and `run_tui()`, which keeps
-llama.cpp's stderr off the terminal.
+result. What lives here: the global bindings (the screen table is tui.modes),
+the screens, and `run_tui()`, which keeps llama.cpp's stderr off the terminal.
+The state screens read (the settings a test pins, the cancel tokens stopped on
+quit) is tui.state's `AppState`, which this app extends.
 """
 
 from __future__ import annotations
@@ -16,18 +16,16 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from textual.app import App
 from textual.binding import Binding
 
 from edgellm import paths
-from edgellm.engine.memory import available_ram
-from edgellm.progress import CancelToken
 from tui.modes import QUIT_KEY, SCREENS
 from tui.screens.bench_screen import BenchScreen
 from tui.screens.chat_screen import ChatScreen
 from tui.screens.models_screen import ModelsScreen
 from tui.screens.quantize_screen import QuantizeScreen
 from tui.screens.system_screen import SystemScreen
+from tui.state import AppState
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +43,7 @@ def _mode_factories() -> dict[str, Any]:
     }
 
 
-class EdgeApp(App):
+class EdgeApp(AppState):
     """The TUI. Build it with `make_app()` so tests and the CLI get the same app."""
 
     CSS_PATH = "edgellm.tcss"
@@ -67,43 +65,8 @@ class EdgeApp(App):
         stable: bool = False,
         driver_class: Any = None,
     ) -> None:
-        super().__init__(driver_class=driver_class)
+        super().__init__(ram_bytes=ram_bytes, autorun=autorun, stable=stable, driver_class=driver_class)
         self.initial = initial
-        self._ram_bytes = ram_bytes
-        # autorun: screens may start their own slow jobs when first shown (the doctor)
-        self.autorun = autorun
-        # stable: no cursor blink and no live clocks, for snapshot tests and screenshots
-        self.stable = stable
-        self.tokens: set[CancelToken] = set()
-        self.notices: list[tuple[str, str]] = []
-        # RPC workers entered on the System screen (HOST:PORT[,...]), for Chat and Bench this session:
-        # the core keeps no list of workers, so neither does the TUI across sessions.
-        self.rpc_workers: str = ""
-
-    # -- shared state screens read ---------------------------------------
-
-    @property
-    def ram_bytes(self) -> int:
-        """RAM the fit marks compare against: the core's available-RAM figure,
-        the one `edgellm models list` and the load guard use (tests pin it with
-        EDGELLM_FAKE_AVAILABLE_RAM, or `ram_bytes=`)."""
-        if self._ram_bytes:
-            return self._ram_bytes
-
-        return available_ram()
-
-    def notify(self, message: str, *, title: str = "", severity: str = "information", **kw: Any) -> None:
-        # Kept as a list too, so tests (and a future log pane) can read what was shown.
-        self.notices.append((severity, f"{title}: {message}" if title else str(message)))
-        super().notify(message, title=title, severity=severity, **kw)
-
-    def new_token(self) -> CancelToken:
-        tok = CancelToken()
-        self.tokens.add(tok)
-        return tok
-
-    def release_token(self, tok: CancelToken) -> None:
-        self.tokens.discard(tok)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -120,11 +83,6 @@ class EdgeApp(App):
     async def action_quit(self) -> None:
         self.cancel_all("quitting")
         self.exit()
-
-    def cancel_all(self, reason: str = "cancelled") -> None:
-        # Thread workers cannot be killed; the core jobs stop at their next check.
-        for tok in list(self.tokens):
-            tok.cancel(reason)
 
     def on_unmount(self) -> None:
         self.cancel_all("quitting")

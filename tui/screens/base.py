@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional, TypeVar
 
+from textual import getters
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.css.query import NoMatches
@@ -26,6 +27,7 @@ from edgellm.errors import Cancelled, EdgeLLMError
 from edgellm.models.store import ModelRecord, Store
 from edgellm.progress import CancelToken, Progress, ProgressCallback
 from tui.modes import SCREENS
+from tui.state import AppState
 from tui.widgets.jobbar import JobBar
 from tui.widgets.modals import ConfirmModal
 from tui.widgets.nav import NavBar
@@ -49,6 +51,7 @@ def one_line(e: BaseException) -> str:
 class BaseScreen(Screen):
     """A screen with the nav bar on top and the footer of its own keys below."""
 
+    app = getters.app(AppState)  # the app's state, typed (tui.state)
     MODE = ""
     # The screen's running job where it runs one at a time (None when idle);
     # the app cancels every token it handed out on quit.
@@ -196,7 +199,7 @@ class BaseScreen(Screen):
     def notify_error(self, e: BaseException, title: str = "") -> None:
         self.notify(one_line(e), title=title, severity="error", timeout=8)
 
-    def in_background(self, what: str, load: Callable[[], T], show: Callable[[T], None], *, group: str = "load") -> None:
+    def in_background(self, what: str, load: Callable[[], T], show: Callable[[T], object], *, group: str = "load") -> None:
         """Run `load` in a thread worker, then `show(result)` on the UI thread.
 
         For reads that can be slow (parsing every stored GGUF, loading saved

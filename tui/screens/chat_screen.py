@@ -18,6 +18,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.message import Message
+from textual.timer import Timer
 from textual.widgets import DataTable, Input, Label, Markdown, Static, TabbedContent, TabPane
 
 from edgellm import paths
@@ -34,7 +35,7 @@ from tui.modes import SCREENS, key_label
 from tui.screens.base import BaseScreen
 from tui.widgets.chat_settings import ChatSettings
 from tui.widgets.fields import steady_cursors
-from tui.widgets.tables import fill
+from tui.widgets.tables import cursor_key, fill
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class ChatScreen(BaseScreen):
         self.generating = False
         self.stream_updates = 0  # how many times the reply grew on screen (tests read it)
         self.last_reply = ""
-        self._status_timer = None
+        self._status_timer: Optional[Timer] = None
         self.last_stats: Optional[GenerationStats] = None
         self._resume_id: Optional[str] = None
         self.sampler: Optional[LiveSampler] = None
@@ -319,9 +320,9 @@ class ChatScreen(BaseScreen):
 
     def _selected_session(self) -> str:
         t = self.query_one("#chat-sessions", DataTable)
-        if self.query_one(TabbedContent).active != "chat-sessions-tab" or not t.row_count:
+        if self.query_one(TabbedContent).active != "chat-sessions-tab":
             return ""
-        return str(t.coordinate_to_cell_key((t.cursor_row, 0)).row_key.value or "")
+        return cursor_key(t)
 
     @on(DataTable.RowSelected, "#chat-sessions")
     def _row_selected(self, _e) -> None:

@@ -28,7 +28,7 @@ from quant.levels import level_estimate
 from tui.screens.base import REFRESH, BaseScreen
 from tui.widgets.jobbar import JobBar
 from tui.widgets.modals import AskModal, ReportModal
-from tui.widgets.tables import fill
+from tui.widgets.tables import cursor_key, fill
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +104,7 @@ class ModelsScreen(BaseScreen):
         _restore(st, keep)
 
     def _selected(self, table_id: str) -> str:
-        t = self.query_one(table_id, DataTable)
-        if not t.row_count:
-            return ""
-        key = t.coordinate_to_cell_key((t.cursor_row, 0)).row_key.value
-        return key or ""
+        return cursor_key(self.query_one(table_id, DataTable))
 
     # -- pull --------------------------------------------------------------
 
@@ -259,13 +255,13 @@ def _load_tables(ram: int) -> Tables:
     except Exception as e:
         out.errors.append(e)
         entries = []
-    for e in entries:
-        est = level_estimate(e.parameters, e.default_level)  # not downloaded: from the level's bits per weight
-        if e.package and e.package.level == e.default_level:
-            size = human_size(e.package.size_bytes)
+    for entry in entries:
+        est = level_estimate(entry.parameters, entry.default_level)  # not downloaded: from the level's bits per weight
+        if entry.package and entry.package.level == entry.default_level:
+            size = human_size(entry.package.size_bytes)
         else:
             size = "~" + human_size(est.weights_bytes)
-        out.catalog.append((e, fit_mark(est.total_bytes, ram), size))
+        out.catalog.append((entry, fit_mark(est.total_bytes, ram), size))
     try:
         records = Store().list()
     except Exception as e:

@@ -31,7 +31,7 @@ from tui.screens.base import REFRESH, BaseScreen
 from tui.widgets.checklist import CheckBox, CheckList
 from tui.widgets.fields import set_choices, steady_cursors
 from tui.widgets.jobbar import JobBar
-from tui.widgets.tables import fill
+from tui.widgets.tables import cursor_key, fill
 
 log = logging.getLogger(__name__)
 
@@ -342,10 +342,7 @@ class QuantizeScreen(BaseScreen):
             self.notify(f"cancelling job #{self.current.id}...")
 
     def action_cancel_selected(self) -> None:
-        t = self.query_one("#quant-jobs", DataTable)
-        if not t.row_count:
-            return
-        key = t.coordinate_to_cell_key((t.cursor_row, 0)).row_key.value
+        key = cursor_key(self.query_one("#quant-jobs", DataTable))
         job = self.jobs.get(int(key)) if key else None
         if job and job.status in ("queued", "running"):
             job.token.cancel("cancelled by the user")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
+from textual import getters
 from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Checkbox, Input, Label, Select
@@ -16,6 +17,7 @@ from textual.widgets import Checkbox, Input, Label, Select
 from edgellm.engine.gpu import parse_size
 from edgellm.engine.runtime import RuntimeOptions, SamplingParams
 from edgellm.errors import UsageError
+from tui.state import AppState
 from tui.widgets.fields import set_choices
 
 # key, label, default (str), placeholder; defaults are the core dataclasses' own
@@ -40,6 +42,8 @@ RELOAD_KEYS = ("model", "threads", "ctx", "gpu_layers", "gpu_device", "gpu_mem",
 
 
 class ChatSettings(VerticalScroll):
+    app = getters.app(AppState)  # the RPC workers the System screen took (tui.state)
+
     def compose(self) -> ComposeResult:
         with Horizontal(classes="setting"):
             yield Label("Model")

@@ -6,11 +6,14 @@ from __future__ import annotations
 from textual.dom import DOMNode
 from textual.widgets import Input, Select
 
+from tui.state import AppState
+
 
 def steady_cursors(node: DOMNode) -> None:
     """No blinking text cursor under `node` in a stable app (snapshot tests,
     screenshots): a blink caught half-way would make two renders differ."""
-    if node.app.stable:
+    app = node.app
+    if isinstance(app, AppState) and app.stable:
         for inp in node.query(Input):
             inp.cursor_blink = False
 

@@ -1,4 +1,5 @@
-"""Filling a DataTable in one go, each column as wide as its widest cell.
+"""Filling a DataTable in one go, each column as wide as its widest cell, and
+reading the key of the row under its cursor.
 
 Textual sizes auto-width columns on the table's next idle, and a paint that
 comes first (rows added from a worker's callback race it) is cached with the
@@ -13,6 +14,7 @@ from typing import Optional
 
 from rich.cells import cell_len
 from rich.text import Text
+from textual.coordinate import Coordinate
 from textual.widgets import DataTable
 
 
@@ -29,3 +31,10 @@ def fill(table: DataTable, rows: Iterable[tuple[tuple, Optional[str]]]) -> None:
         column.auto_width = False
     for cells, key in rows:
         table.add_row(*cells, key=key)
+
+
+def cursor_key(table: DataTable) -> str:
+    """The key of the row under the cursor; "" when the table is empty or that row has no key."""
+    if not table.row_count:
+        return ""
+    return table.coordinate_to_cell_key(Coordinate(table.cursor_row, 0)).row_key.value or ""
