@@ -8,11 +8,10 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 echo "[test] checking the import layers (contracts in pyproject.toml)"
 .venv/bin/lint-imports --no-cache --no-logo
-# TODO(#29): enable once `ruff check` and `mypy` are clean on edgellm, quant and tui, and after the lead's
-# one `ruff format` pass over the whole tree (config: [tool.ruff.format] in pyproject.toml).
-# .venv/bin/ruff check edgellm quant tui
-# .venv/bin/ruff format --check edgellm quant tui
-# .venv/bin/mypy
+echo "[test] linting: ruff check, ruff format --check, mypy (configuration in pyproject.toml)"
+.venv/bin/ruff check edgellm quant tui
+.venv/bin/ruff format --check edgellm quant tui
+.venv/bin/mypy
 echo "[test] building llama.cpp's reference tools (cached after the first run)"
 EDGELLM_LLAMA_TOOLS="$(scripts/build_llama_tools.sh)"
 export EDGELLM_LLAMA_TOOLS
