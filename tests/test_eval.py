@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.eval_reports import eval_report
 from support.gguf_files import write_tiny_llama
 from support.helpers import DEFAULT_NAME, assert_one_line_error, cli_argv, register_default
 
@@ -265,31 +266,21 @@ def test_eval_errors_are_one_line(cli, tmp_path, default_gguf, tiny_f32):
 def test_plot_needs_png_suffix_and_base_lineage_from_name(tmp_path):
     from edgellm.errors import UsageError
     from edgellm.models.resolve import Resolved
-    from quant.evaluate import EvalReport, lineage_warning, write_plot
+    from quant.evaluate import lineage_warning, write_plot
 
-    rep = EvalReport(
+    rep = eval_report(
+        [],
         base="b",
         base_path="b",
-        base_level="f16",
-        base_size_bytes=1,
         base_bpw=16,
         base_ppl=10,
         base_ppl_err=1,
         base_tokens_per_second=1,
-        parameters=1,
-        kv_bytes_per_token=1,
         corpus="c",
-        corpus_sha256="",
         ctx=128,
         chunks=2,
-        n_tokens_scored=1,
-        batch=1,
-        threads=1,
-        topk=1,
-        tail_samples=1,
         machine="m",
         created=0,
-        levels=[],
     )
     with pytest.raises(UsageError):
         write_plot(rep, tmp_path / "x.jpg")

@@ -34,7 +34,7 @@ from typing import Callable, Iterator, Optional
 
 import pytest
 
-from support.gguf_files import write_tiny_llama
+from support.gguf_files import TINY_EVAL_ARGS, write_tiny_llama
 from support.helpers import DEFAULT_NAME, WIKITEXT, assert_one_line_error, run_cli as _run_cli, store_snapshot, tamper_manifest
 from support.hubserver import HubServer
 
@@ -131,22 +131,7 @@ JOBS = {
     "quantize": (["quantize", "tiny-f16", "--level", "q4_0", "--no-progress"], "tiny-q4_0"),
     "convert": (["convert", "tiny-q8_0", "--to", "f32", "--no-progress"], "tiny-f32"),
     "eval": (
-        [
-            "eval",
-            "tiny-f16",
-            "--levels",
-            "q4_k_m",
-            "--text",
-            "{text}",
-            "--ctx",
-            "64",
-            "--chunks",
-            "2",
-            "--batch",
-            "128",
-            "--no-progress",
-            "--json",
-        ],
+        ["eval", "tiny-f16", "--levels", "q4_k_m", "--text", "{text}", *TINY_EVAL_ARGS, "--no-progress", "--json"],
         "tiny-q4_k_m",
     ),
     "pull": (["pull", REPO, "--file", "tiny-F16.gguf", "--name", "pulled", "--no-progress"], "pulled"),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.eval_reports import eval_report, level_eval
 from support.helpers import assert_one_line_error, start_cli, store_snapshot
 from support.quant_fixtures import F16_NAME, f16_model, f16_session  # noqa: F401 (fixtures)
 
@@ -526,62 +527,16 @@ def test_kill_9_during_budget_search_leaves_nothing(cli, f16_model, session_imat
 
 
 def test_eval_plot_marks_edgellm_files_as_their_own_series(tmp_path):
-    from quant.evaluate import EvalReport, LevelEval, is_edgellm_recipe, level_tag, write_plot
-
-    def lv(name, level, size, kld):
-        return LevelEval(
-            level=level,
-            name=name,
-            path="",
-            size_bytes=size,
-            bpw=4.0,
-            ppl=20.0,
-            ppl_err=0.1,
-            dppl_pct=5.0,
-            kld_mean=kld,
-            kld_err=0.01,
-            kld_median=kld,
-            kld_p99=kld,
-            kld_max=kld,
-            same_top_p=80.0,
-            same_top_p_err=1.0,
-            rms_dp=1.0,
-            rms_dp_err=0.1,
-            tokens_per_second=100.0,
-            seconds=1.0,
-        )
+    from quant.evaluate import is_edgellm_recipe, level_tag, write_plot
 
     levels = [
-        lv("m-q2_k", "q2_k", 88_201_792, 0.41),
-        lv("m-q2_k-imat", "q2_k", 88_202_080, 0.27),
-        lv("m-budget-88mb", "q4_k_m", 88_188_256, 0.06),
-        lv("m-q4_k_m", "q4_k_m", 105_454_144, 0.06),
+        level_eval("m-q2_k", "q2_k", 88_201_792, 0.41),
+        level_eval("m-q2_k-imat", "q2_k", 88_202_080, 0.27),
+        level_eval("m-budget-88mb", "q4_k_m", 88_188_256, 0.06),
+        level_eval("m-q4_k_m", "q4_k_m", 105_454_144, 0.06),
     ]
     assert [is_edgellm_recipe(x.name) for x in levels] == [False, True, True, False]
-    rep = EvalReport(
-        base="m-f16",
-        base_path="",
-        base_level="f16",
-        base_size_bytes=1,
-        base_bpw=16.0,
-        base_ppl=20.0,
-        base_ppl_err=0.1,
-        base_tokens_per_second=1.0,
-        parameters=1,
-        kv_bytes_per_token=1,
-        corpus="x",
-        corpus_sha256="",
-        ctx=512,
-        chunks=1,
-        n_tokens_scored=1,
-        batch=1,
-        threads=1,
-        topk=1,
-        tail_samples=1,
-        machine="",
-        created=0.0,
-        levels=levels,
-    )
+    rep = eval_report(levels)
     assert [level_tag(rep, x) for x in levels] == ["q2_k", "q2_k-imat", "budget-88mb", "q4_k_m"]
     out = write_plot(rep, tmp_path / "frontier.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

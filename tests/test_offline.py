@@ -24,8 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.gguf_files import write_tiny_llama
+from support.gguf_files import TINY_EVAL_ARGS, write_tiny_llama
 from support.helpers import WIKITEXT
+from support.tui_pilot import SCREEN_CYCLE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,25 +109,8 @@ def test_offline_path_makes_no_connection(tmp_path):
         ("convert", ["convert", "tiny-q8_0", "--to", "f32", "--name", "tiny-back-f32", "--no-progress"]),
         ("inspect", ["inspect", "tiny-back-f32", "--json"]),
         ("chat", ["chat", "tiny-f16", "-p", "hello", "--max-tokens", "8", "--temperature", "0", "--ctx", "256"]),
-        ("ppl", ["ppl", "tiny-q8_0", "--text", str(text), "--ctx", "64", "--chunks", "2", "--batch", "128", "--no-progress"]),
-        (
-            "eval",
-            [
-                "eval",
-                "tiny-f16",
-                "--levels",
-                "q8_0,q4_0",
-                "--text",
-                str(text),
-                "--ctx",
-                "64",
-                "--chunks",
-                "2",
-                "--batch",
-                "128",
-                "--no-progress",
-            ],
-        ),
+        ("ppl", ["ppl", "tiny-q8_0", "--text", str(text), *TINY_EVAL_ARGS, "--no-progress"]),
+        ("eval", ["eval", "tiny-f16", "--levels", "q8_0,q4_0", "--text", str(text), *TINY_EVAL_ARGS, "--no-progress"]),
         ("bench", ["bench", "tiny-q8_0", "--pp", "16", "--tg", "4", "-r", "1", "--no-progress"]),
         ("models", ["models", "list", "--local"]),
     ]
@@ -148,15 +132,7 @@ def test_offline_path_makes_no_connection(tmp_path):
     assert [r["step"] for r in results] == [s for s, _ in steps] + ["tui"]
     assert all(r["rc"] == 0 for r in results), (results, proc.stderr[-2000:])
     tui = results[-1]
-    assert tui["screens"] == [
-        "ModelsScreen",
-        "QuantizeScreen",
-        "EvaluateScreen",
-        "ChatScreen",
-        "BenchScreen",
-        "SystemScreen",
-        "ModelsScreen",
-    ]
+    assert tui["screens"] == SCREEN_CYCLE
     assert {"tiny-f16", "tiny-q8_0", "tiny-q4_0", "tiny-back-f32"} <= set(tui["store_rows"])
 
     events = [json.loads(ln) for ln in log.read_text().splitlines()]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from support.eval_reports import eval_report, level_eval
 from support.helpers import DEFAULT_NAME
 from support.tui_pilot import (  # noqa: F401  (pinned_ram: an autouse fixture)
     SIZE,
@@ -369,60 +370,15 @@ def test_evaluate_screen_runs_an_evaluation_and_shows_results(tmp_path):
 def test_evaluate_screen_marks_edgellm_files_as_their_own_series():
     from textual.widgets import DataTable
 
-    from quant.evaluate import EvalReport, LevelEval
     from tui.widgets.plot import MARKERS, ScatterPlot
 
-    def lv(name, level, size, kld):
-        return LevelEval(
-            level=level,
-            name=name,
-            path="",
-            size_bytes=size,
-            bpw=4.0,
-            ppl=20.0,
-            ppl_err=0.1,
-            dppl_pct=5.0,
-            kld_mean=kld,
-            kld_err=0.01,
-            kld_median=kld,
-            kld_p99=kld,
-            kld_max=kld,
-            same_top_p=80.0,
-            same_top_p_err=1.0,
-            rms_dp=1.0,
-            rms_dp_err=0.1,
-            tokens_per_second=100.0,
-            seconds=1.0,
-        )
-
-    rep = EvalReport(
-        base="m-f16",
-        base_path="",
-        base_level="f16",
-        base_size_bytes=1,
-        base_bpw=16.0,
-        base_ppl=20.0,
-        base_ppl_err=0.1,
-        base_tokens_per_second=1.0,
-        parameters=1,
-        kv_bytes_per_token=1,
-        corpus="x",
-        corpus_sha256="",
-        ctx=512,
-        chunks=1,
-        n_tokens_scored=1,
-        batch=1,
-        threads=1,
-        topk=1,
-        tail_samples=1,
-        machine="",
-        created=0.0,
-        levels=[
-            lv("m-q2_k", "q2_k", 88_201_792, 0.41),
-            lv("m-q2_k-imat", "q2_k", 88_202_080, 0.27),
-            lv("m-budget-88mb", "q4_k_m", 88_188_256, 0.06),
-            lv("m-q4_k_m", "q4_k_m", 105_454_144, 0.05),
-        ],
+    rep = eval_report(
+        [
+            level_eval("m-q2_k", "q2_k", 88_201_792, 0.41),
+            level_eval("m-q2_k-imat", "q2_k", 88_202_080, 0.27),
+            level_eval("m-budget-88mb", "q4_k_m", 88_188_256, 0.06),
+            level_eval("m-q4_k_m", "q4_k_m", 105_454_144, 0.05),
+        ]
     )
 
     async def run():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import pytest_textual_snapshot
 from support.helpers import DEFAULT_NAME
-from support.tui_pilot import SIZE, make, pinned_ram, screen_text, settled, type_text  # noqa: F401  (pinned_ram: an autouse fixture)
+from support.tui_pilot import SCREEN_CYCLE, SIZE, make, pinned_ram, screen_text, settled, type_text  # noqa: F401  (pinned_ram: an autouse fixture)
 
 SNAPSHOT_DIR = Path(__file__).parent / "snapshots"
 
@@ -43,15 +43,7 @@ def test_every_screen_opens_by_key(default_model):
         return seen
 
     seen = asyncio.run(run())
-    assert seen == [
-        "ModelsScreen",
-        "QuantizeScreen",
-        "EvaluateScreen",
-        "ChatScreen",
-        "BenchScreen",
-        "SystemScreen",
-        "ModelsScreen",
-    ]
+    assert seen == SCREEN_CYCLE
 
 
 def test_f5_from_the_chat_box_switches_to_bench_and_types_nothing(default_model):

@@ -29,6 +29,9 @@ import numpy as np
 # quantized copy is well above float noise and levels order by precision.
 PEAKED = {"embd_std": 1.0, "std": 0.08, "output_std": 0.15}
 
+# What the tests' ppl and eval runs on a tiny llama pass: chunks small enough for a few KB of text, quick.
+TINY_EVAL_ARGS = ["--ctx", "64", "--chunks", "2", "--batch", "128"]
+
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""

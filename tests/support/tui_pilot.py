@@ -13,6 +13,9 @@ import pytest
 
 SIZE = (100, 30)
 
+# F1 to F6 in order, then F1 again: the screens a walk through every key shows.
+SCREEN_CYCLE = ["ModelsScreen", "QuantizeScreen", "EvaluateScreen", "ChatScreen", "BenchScreen", "SystemScreen", "ModelsScreen"]
+
 
 @pytest.fixture(autouse=True)
 def pinned_ram(monkeypatch):
