@@ -242,11 +242,28 @@ def type_bpw(type_name: str) -> float:
 
 
 def _scaled(mats: list[Matrix], gain: Callable[[str, str], float], n_layers: int) -> list[Matrix]:
-    out = []
-    for m in mats:
+    """Each matrix's errors times its gain in that type: a block matrix's interpolated, log-linearly by layer,
+    between the measured gains of its kind's groups (their mean layers), so the gain follows depth within a
+    group rather than stepping at its edges; a matrix outside the blocks takes its own group's."""
+    kinds: dict[str, list[tuple[float, str]]] = {}
+    for g in {sensitivity.group_of(m.name, n_layers) for m in mats}:
+        c = sensitivity.group_centre(g)
+        if c is not None:
+            kinds.setdefault(g.split("/")[0], []).append((c, g))
+    for lst in kinds.values():
+        lst.sort()
+
+    def matrix_gain(m: Matrix, t: str) -> float:
         g = sensitivity.group_of(m.name, n_layers)
-        out.append(Matrix(m.name, m.rows, m.cols, [(t, b, e * gain(g, t)) for t, b, e in m.options]))
-    return out
+        layer = sensitivity.layer_of(m.name)
+        lst = kinds.get(g.split("/")[0]) if layer is not None else None
+        if not lst or len(lst) < 2:
+            return gain(g, t)
+        centres = [c for c, _ in lst]
+        logs = [np.log(max(gain(gg, t), 1e-300)) for _, gg in lst]
+        return float(np.exp(np.interp(layer, centres, logs)))
+
+    return [Matrix(m.name, m.rows, m.cols, [(t, b, e * matrix_gain(m, t)) for t, b, e in m.options]) for m in mats]
 
 
 def _wanted(
