@@ -15,9 +15,10 @@ same normed hidden state).
 That proxy ranks matrices of one kind at one depth, but not kinds or depths
 against each other (a unit of error in the first layers' attn_v moves the
 logits ~100x more than one in the last layers' attn_output). So each
-matrix's error is multiplied by its group's gain (kind x third of the
-layers), measured by quant/sensitivity.py as KL divergence per unit of proxy
-error on the calibration text, and cached per model and matrix.
+matrix's error is multiplied by its gain: its group's (kind x slice of the
+layers, quant/sensitivity.depth_buckets), interpolated by layer between the
+groups of its kind, measured by quant/sensitivity.py as KL divergence per
+unit of proxy error on the calibration text, and cached per model and matrix.
 
 The choice: start every matrix at its cheapest candidate, then repeatedly
 give the byte to the upgrade with the best error saved per byte (along each

@@ -7,7 +7,8 @@ KL divergence spans 100x between kinds and depths), nor always one type
 family with another: a K-quant's error (a 256-block with 6-bit sub-scales)
 and a 32-block type's differ in structure the per-column proxy cannot see.
 So the search calibrates one gain per group -- a matrix kind (attn_q, attn_k,
-attn_v, attn_output, ffn_gate, ffn_up, ffn_down) times a third of the layers,
+attn_v, attn_output, ffn_gate, ffn_up, ffn_down) times a slice of the layers
+(depth_buckets: the first two and the last one by one, thirds between),
 plus token_embd and output -- *and per candidate type*: gain = KLD caused by
 that group's matrices in that type / their proxy error in that type. The
 search measures the types its allocation actually picks (quant/budget.py
