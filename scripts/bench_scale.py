@@ -101,6 +101,10 @@ class Bench:
             raise JobError(f"{tool} exit {r['rc']}: {r['stderr'].strip()[-400:]}")
         return r
 
+    def llama_wiki(self, tool: str, model, chunks: str, *args) -> dict:
+        """`tool` over `chunks` chunks of 512 tokens of WikiText-2 at this run's threads: edgellm's text and chunks."""
+        return self.llama(tool, "-m", model, "-f", self.wiki, "-c", "512", "--chunks", chunks, "-t", self.t, *args)
+
     def paired(self, runs: int, mine, ref) -> tuple[dict, dict]:
         """Medians of `runs` interleaved runs of each, the order alternating so drift hits both alike."""
         a, b = [], []
@@ -210,30 +214,15 @@ def job_function(b: Bench, f: int):
 def job_imatrix(b: Bench, f: int):
     name, c = b.model(f), str(b.a.chunks)
     path = b.inspect(name)["path"]
-    few = b.edgellm(
-        "imatrix", name, "--text", b.wiki, "--chunks", str(b.a.few_chunks), "--threads", b.t, "--force", "--json", "--no-progress"
-    )
+
+    def imatrix(chunks: str) -> dict:
+        return b.edgellm(
+            "imatrix", name, "--text", b.wiki, "--chunks", chunks, "--threads", b.t, "--force", "--json", "--no-progress"
+        )
+
+    few = imatrix(str(b.a.few_chunks))
     mine, ref = b.paired(
-        1,
-        lambda: b.edgellm(
-            "imatrix", name, "--text", b.wiki, "--chunks", c, "--threads", b.t, "--force", "--json", "--no-progress"
-        ),
-        lambda: b.llama(
-            "llama-imatrix",
-            "-m",
-            path,
-            "-f",
-            b.wiki,
-            "-c",
-            "512",
-            "--chunks",
-            c,
-            "-t",
-            b.t,
-            "--no-ppl",
-            "-o",
-            b.ref / "imatrix.gguf",
-        ),
+        1, lambda: imatrix(c), lambda: b.llama_wiki("llama-imatrix", path, c, "--no-ppl", "-o", b.ref / "imatrix.gguf")
     )
     return mine, ref, {"anon_few_over_many": few["peak_anon"] / mine["peak_anon"], "few_chunks": b.a.few_chunks}
 
@@ -292,42 +281,8 @@ def job_eval(b: Bench, f: int):
     logits = b.ref / "kld-base.bin"
 
     def ref():
-        runs = [
-            b.llama(
-                "llama-perplexity",
-                "-m",
-                b.inspect(name)["path"],
-                "-f",
-                b.wiki,
-                "-c",
-                "512",
-                "--chunks",
-                c,
-                "-t",
-                b.t,
-                "--kl-divergence-base",
-                logits,
-            )
-        ]
-        runs += [
-            b.llama(
-                "llama-perplexity",
-                "-m",
-                q,
-                "-f",
-                b.wiki,
-                "-c",
-                "512",
-                "--chunks",
-                c,
-                "-t",
-                b.t,
-                "--kl-divergence-base",
-                logits,
-                "--kl-divergence",
-            )
-            for q in levels
-        ]
+        runs = [b.llama_wiki("llama-perplexity", b.inspect(name)["path"], c, "--kl-divergence-base", logits)]
+        runs += [b.llama_wiki("llama-perplexity", q, c, "--kl-divergence-base", logits, "--kl-divergence") for q in levels]
         logits.unlink(missing_ok=True)
         return {
             "wall_s": sum(r["wall_s"] for r in runs),
