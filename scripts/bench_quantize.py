@@ -104,15 +104,15 @@ def main() -> int:
         core.setdefault(lv.key, []).append(res[0].quantize_seconds)  # llama_model_quantize alone
         return time.perf_counter() - t0
 
-    def run_cli(lv, out: Path) -> float:
+    def quantize_cli(level_args: list[str], out: Path) -> tuple[float, str]:
+        """`python -m edgellm.cli quantize` of src to `out`: its wall seconds and its --json stdout."""
         cmd = [
             sys.executable,
             "-m",
             "edgellm.cli",
             "quantize",
             str(src),
-            "-l",
-            lv.key,
+            *level_args,
             "-o",
             str(out),
             "--threads",
@@ -126,34 +126,18 @@ def main() -> int:
         dt = time.perf_counter() - t0
         if p.returncode != 0:
             sys.exit(f"edgellm quantize failed: {p.stderr[-500:]}")
-        return dt
+        return dt, p.stdout
+
+    def run_cli(lv, out: Path) -> float:
+        return quantize_cli(["-l", lv.key], out)[0]
 
     def run_tool_all(outs: dict[str, Path]) -> float:
         return sum(run_tool(lv, outs[lv.key]) for lv in levels)
 
     def run_cli_all(folder: Path) -> tuple[float, dict[str, Path]]:
         folder.mkdir(exist_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "edgellm.cli",
-            "quantize",
-            str(src),
-            *[a for lv in levels for a in ("-l", lv.key)],
-            "-o",
-            str(folder),
-            "--threads",
-            str(threads),
-            "--force",
-            "--json",
-            "--no-progress",
-        ]
-        t0 = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        dt = time.perf_counter() - t0
-        if p.returncode != 0:
-            sys.exit(f"edgellm quantize failed: {p.stderr[-500:]}")
-        return dt, {o["level"]: Path(o["path"]) for o in json.loads(p.stdout)}
+        dt, stdout = quantize_cli([a for lv in levels for a in ("-l", lv.key)], folder)
+        return dt, {o["level"]: Path(o["path"]) for o in json.loads(stdout)}
 
     # the headline: all levels, llama-quantize one after another vs one edgellm call
     refs = {lv.key: scratch / f"ref-{lv.key}.gguf" for lv in levels}
