@@ -66,6 +66,8 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="bench-eval-"))
     env = dict(os.environ, EDGELLM_HOME=str(scratch / "home"))
     common = ["-f", str(a.text), "-c", str(a.ctx), "-b", "2048", "--chunks", str(a.chunks), "-t", str(threads)]
+    # the same text, ctx, chunks and threads, in edgellm's flags
+    ours = ["--text", a.text, "--ctx", a.ctx, "--chunks", a.chunks, "--threads", threads]
 
     print(f"# scratch {scratch}; {threads} threads; {a.chunks} chunks of {a.ctx}", flush=True)
     edgellm("pull", "smollm2-135m-instruct", "--json", "--no-progress", env=env)
@@ -87,21 +89,7 @@ def main() -> None:
             p, dt = sh([tool, "-m", base["path"], *common], env)
             t_ll.append(dt)
             ll_ppl = float(re.search(r"Final estimate: PPL = ([\d.]+)", p.stdout + p.stderr).group(1))
-            p2, dt2 = edgellm(
-                "ppl",
-                base["name"],
-                "--text",
-                a.text,
-                "--ctx",
-                a.ctx,
-                "--chunks",
-                a.chunks,
-                "--threads",
-                threads,
-                "--json",
-                "--no-progress",
-                env=env,
-            )
+            p2, dt2 = edgellm("ppl", base["name"], *ours, "--json", "--no-progress", env=env)
             t_ed.append(dt2)
             ed = json.loads(p2.stdout)
         result["ppl"] = {
@@ -117,25 +105,7 @@ def main() -> None:
 
     plot = a.out / "quality-smollm2-135m.png"
     t0 = time.perf_counter()
-    ev, _ = edgellm(
-        "eval",
-        base["name"],
-        "--levels",
-        ",".join(LEVELS),
-        "--text",
-        a.text,
-        "--ctx",
-        a.ctx,
-        "--chunks",
-        a.chunks,
-        "--threads",
-        threads,
-        "--plot",
-        plot,
-        "--json",
-        "--no-progress",
-        env=env,
-    )
+    ev, _ = edgellm("eval", base["name"], "--levels", ",".join(LEVELS), *ours, "--plot", plot, "--json", "--no-progress", env=env)
     rep = json.loads(ev.stdout)
     result["edgellm_eval_seconds"] = time.perf_counter() - t0
     kld_file = scratch / "base.kld"
