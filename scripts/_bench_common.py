@@ -5,7 +5,8 @@ RssAnon and RssFile of its whole process tree (/proc/<pid>/status, children
 from /proc/<pid>/task/*/children) and the bytes allocated under `dirs`
 (st_blocks, so sparse or preallocated files count as the disk they take).
 `Sampler(pid, dirs)` does the same around a process started elsewhere (a
-server). Linux only: /proc is the point.
+server). Linux only: /proc is the point. `chat_cmd(...)` is the command line
+of one greedy `edgellm chat -p`, the run the chat benchmarks time.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -123,3 +125,21 @@ def median_of(runs: list[dict]) -> dict:
     """The median of every numeric figure over runs (a figure missing from a run is left out of it)."""
     keys = {k for r in runs for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return {k: statistics.median(r[k] for r in runs if k in r) for k in keys}
+
+
+def chat_cmd(path: Path, prompt: str, tokens: int, *flags: str) -> list[str]:
+    """`edgellm chat` of one prompt, greedy (temperature 0), at most `tokens` tokens, `flags` after."""
+    return [
+        sys.executable,
+        "-m",
+        "edgellm.cli",
+        "chat",
+        str(path),
+        "-p",
+        prompt,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(tokens),
+        *flags,
+    ]

@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _bench_common import chat_cmd
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -79,24 +81,7 @@ def rendered_prompt(path: Path) -> tuple[str, int]:
 
 
 def run_edgellm(path: Path, tokens: int, threads: int, ctx: int) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "edgellm.cli",
-        "chat",
-        str(path),
-        "-p",
-        PROMPT,
-        "--temperature",
-        "0",
-        "--max-tokens",
-        str(tokens),
-        "--threads",
-        str(threads),
-        "--ctx",
-        str(ctx),
-        "--no-history",
-    ]
+    cmd = chat_cmd(path, PROMPT, tokens, "--threads", str(threads), "--ctx", str(ctx), "--no-history")
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     m = re.search(r"\[(\d+) tokens, ([\d.]+) tokens/s; prompt (\d+) tokens", p.stderr)
     if p.returncode != 0 or not m:

@@ -37,6 +37,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from _bench_common import chat_cmd
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -181,24 +183,7 @@ def model_path(ref: str) -> Path:
 
 
 def edgellm_chat(path: Path, prompt: str, tokens: int, *extra: str) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "edgellm.cli",
-        "chat",
-        str(path),
-        "-p",
-        prompt,
-        "--temperature",
-        "0",
-        "--max-tokens",
-        str(tokens),
-        "--ctx",
-        "4096",
-        "--no-history",
-        "--json",
-        *extra,
-    ]
+    cmd = chat_cmd(path, prompt, tokens, "--ctx", "4096", "--no-history", "--json", *extra)
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if p.returncode != 0:
         sys.exit(f"error: edgellm chat failed: {p.stderr.strip()[-600:]}")
