@@ -6,7 +6,9 @@ from /proc/<pid>/task/*/children) and the bytes allocated under `dirs`
 (st_blocks, so sparse or preallocated files count as the disk they take).
 `Sampler(pid, dirs)` does the same around a process started elsewhere (a
 server). Linux only: /proc is the point. `chat_cmd(...)` is the command line
-of one greedy `edgellm chat -p`, the run the chat benchmarks time.
+of one greedy `edgellm chat -p`, the run the chat benchmarks time;
+`mean_sd`, `paired_ratios`, `ratio_cells` and `verdict` are the figures and
+the report of the speed comparisons that alternate two sides round by round.
 """
 
 from __future__ import annotations
@@ -125,6 +127,32 @@ def median_of(runs: list[dict]) -> dict:
     """The median of every numeric figure over runs (a figure missing from a run is left out of it)."""
     keys = {k for r in runs for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return {k: statistics.median(r[k] for r in runs if k in r) for k in keys}
+
+
+def mean_sd(xs: list[float]) -> tuple[float, float]:
+    """The mean of one side's per-round figures and their sample standard deviation (0 for one round)."""
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def paired_ratios(num: list[float], den: list[float]) -> tuple[list[float], float]:
+    """num/den round by round, and the median of those ratios (robust to a burst of load landing on one call)."""
+    per_round = [x / y for x, y in zip(num, den, strict=False)]
+    return per_round, statistics.median(per_round)
+
+
+def ratio_cells(ma: float, sa: float, mb: float, sb: float, mean_ratio: float, ratio: float, goal: float) -> str:
+    """A comparison row's figures: each side's mean ± sd, the ratio of the means, the median paired ratio (flagged under goal)."""
+    flag = "" if ratio >= goal else "  < goal"
+    return f"{ma:9.2f} ± {sa:5.2f} {mb:9.2f} ± {sb:5.2f} {mean_ratio:8.3f}x {ratio:12.3f}x{flag}"
+
+
+def verdict(results: list[dict], goal: float, load0, load1, what: str = "") -> float:
+    """Print the load average before/after (where known) and the worst median paired ratio against goal; return it."""
+    if load0 and load1:
+        print(f"load average before/after: {load0[0]:.1f} / {load1[0]:.1f} on {os.cpu_count()} CPUs")
+    worst = min((r["ratio"] for r in results), default=0.0)
+    print(f"worst median paired ratio {what}{worst:.3f}x (goal >= {goal}x)")
+    return worst
 
 
 def chat_cmd(path: Path, prompt: str, tokens: int, *flags: str) -> list[str]:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _bench_common import mean_sd, paired_ratios, ratio_cells, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -108,10 +109,8 @@ def main() -> int:
     keys = sorted({(m, t) for _, m, t in got}, key=lambda k: (k[0], not k[1].startswith("pp")))
     for m, t in keys:
         a, b = got[("host", m, t)], got[("portable", m, t)]
-        per_round = [y / x for x, y in zip(a, b)]
-        ratio = statistics.median(per_round)
-        ma, mb = statistics.mean(a), statistics.mean(b)
-        sa, sb = (statistics.stdev(a) if len(a) > 1 else 0.0), (statistics.stdev(b) if len(b) > 1 else 0.0)
+        per_round, ratio = paired_ratios(b, a)
+        (ma, sa), (mb, sb) = mean_sd(a), mean_sd(b)
         results.append(
             {
                 "model": m,
@@ -123,16 +122,12 @@ def main() -> int:
                 "per_round_ratio": per_round,
             }
         )
-        flag = "" if ratio >= GOAL else "  < goal"
         print(
-            f"{m:44} {t:6} {ma:9.2f} ± {sa:5.2f} {mb:9.2f} ± {sb:5.2f} {mb / ma:8.3f}x {ratio:12.3f}x{flag}"
-            f"   rounds: {' '.join(f'{r:.2f}' for r in per_round)}"
+            f"{m:44} {t:6} {ratio_cells(ma, sa, mb, sb, mb / ma, ratio, GOAL)}   rounds: {' '.join(f'{r:.2f}' for r in per_round)}"
         )
     print()
     print(f"threads {args.threads}, {args.rounds} rounds x {args.repetitions} repetitions per call, venvs alternating first")
-    print(f"load average before/after: {load0[0]:.1f} / {load1[0]:.1f} on {os.cpu_count()} CPUs")
-    worst = min((r["ratio"] for r in results), default=0.0)
-    print(f"worst median paired ratio portable/host {worst:.3f}x (goal >= {GOAL}x)")
+    worst = verdict(results, GOAL, load0, load1, "portable/host ")
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -20,10 +20,11 @@ import argparse
 import ctypes
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
+
+from _bench_common import mean_sd, paired_ratios, ratio_cells, verdict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -119,11 +120,8 @@ def main() -> int:
         a, b = ours[key], theirs.get(key, [])
         if not b:
             continue
-        ma, mb = statistics.mean(a), statistics.mean(b)
-        sa = statistics.stdev(a) if len(a) > 1 else 0.0
-        sb = statistics.stdev(b) if len(b) > 1 else 0.0
-        per_round = [x / y for x, y in zip(a, b)]
-        ratio = statistics.median(per_round)
+        (ma, sa), (mb, sb) = mean_sd(a), mean_sd(b)
+        per_round, ratio = paired_ratios(a, b)
         results.append(
             {
                 "model": key[0],
@@ -137,15 +135,11 @@ def main() -> int:
                 "per_round_ratio": per_round,
             }
         )
-        flag = "" if ratio >= GOAL else "  < goal"
-        print(f"{key[0]:48} {key[1]:6} {ma:9.2f} ± {sa:5.2f} {mb:9.2f} ± {sb:5.2f} {ma / mb:8.3f}x {ratio:12.3f}x{flag}")
+        print(f"{key[0]:48} {key[1]:6} {ratio_cells(ma, sa, mb, sb, ma / mb, ratio, GOAL)}")
     print()
     print(f"threads {args.threads}, {args.rounds} rounds x {args.repetitions} repetitions per tool, tools alternating first")
     print(f"memory bandwidth (numpy, {args.threads} threads, best of 5): read {bw.read_bytes_per_s / 1e9:.1f} GB/s")
-    if load0 and load1:
-        print(f"load average before/after: {load0[0]:.1f} / {load1[0]:.1f} on {os.cpu_count()} CPUs")
-    worst = min((r["ratio"] for r in results), default=0.0)
-    print(f"worst median paired ratio {worst:.3f}x (goal >= {GOAL}x)")
+    verdict(results, GOAL, load0, load1)
     if args.json:
         args.json.write_text(
             json.dumps(
