@@ -40,11 +40,13 @@ def _text_options(f):
     return f
 
 
-def _check_source(text, corpus) -> None:
+def _scoring(text, corpus, ctx, chunks, batch, threads) -> dict:
+    """The text options as perplexity() and evaluate() take them, once exactly one source is given."""
     if text is None and corpus is None:
         raise UsageError("give --text FILE or --corpus NAME (python-docs is built in)")
     if text is not None and corpus is not None:
         raise UsageError("give only one of --text and --corpus")
+    return {"text": text, "corpus": corpus, "ctx": ctx, "chunks": chunks, "batch": batch, "threads": threads}
 
 
 @click.command("ppl")
@@ -61,23 +63,14 @@ def ppl_cmd(model, text, corpus, ctx, chunks, batch, threads, as_json, no_progre
     """
     from quant.perplexity import perplexity  # lazy: loads numpy
 
-    _check_source(text, corpus)
+    scoring = _scoring(text, corpus, ctx, chunks, batch, threads)
     rpc_plan = None
     if rpc or rpc_split:
         n_seq = max(1, (batch or 2048) // ctx) if ctx > 0 else 1
         rpc_plan = prepare_rpc(resolve(model).path, rpc, rpc_split, n_ctx=ctx * n_seq)
     with running_job(not no_progress and not as_json) as (bar, token):
         r = perplexity(
-            model,
-            text=text,
-            corpus=corpus,
-            ctx=ctx,
-            chunks=chunks,
-            batch=batch,
-            threads=threads,
-            on_progress=bar,
-            cancel=token,
-            **({"rpc_plan": rpc_plan} if rpc_plan is not None else {}),
+            model, **scoring, on_progress=bar, cancel=token, **({"rpc_plan": rpc_plan} if rpc_plan is not None else {})
         )
     if as_json:
         emit_json({**r.to_json(), **({"rpc_plan": rpc_plan.to_json()} if rpc_plan is not None else {})})
@@ -118,7 +111,7 @@ def eval_cmd(
     """
     from quant.evaluate import evaluate, write_plot  # lazy: loads numpy
 
-    _check_source(text, corpus)
+    scoring = _scoring(text, corpus, ctx, chunks, batch, threads)
     items = [s.strip() for s in levels.split(",") if s.strip()]
     if rpc_split and not rpc:
         prepare_rpc(None, rpc, rpc_split, n_ctx=ctx)  # the one-line "--split needs --rpc"
@@ -126,19 +119,7 @@ def eval_cmd(
         {"rpc": rpc, "rpc_split": rpc_split, "on_rpc_plan": lambda p: click.echo("\n".join(p.lines()), err=True)} if rpc else {}
     )
     with running_job(not no_progress and not as_json) as (bar, token):
-        report = evaluate(
-            base,
-            items,
-            text=text,
-            corpus=corpus,
-            ctx=ctx,
-            chunks=chunks,
-            batch=batch,
-            threads=threads,
-            on_progress=bar,
-            cancel=token,
-            **rpc_kw,
-        )
+        report = evaluate(base, items, **scoring, on_progress=bar, cancel=token, **rpc_kw)
     for w in report.warnings:
         click.echo(f"warning: {w}", err=True)
     if plot is not None:
