@@ -258,7 +258,7 @@ def _scaled(mats: list[Matrix], gain: Callable[[str, str], float], n_layers: int
         g = sensitivity.group_of(m.name, n_layers)
         layer = sensitivity.layer_of(m.name)
         lst = kinds.get(g.split("/")[0]) if layer is not None else None
-        if not lst or len(lst) < 2:
+        if layer is None or not lst or len(lst) < 2:
             return gain(g, t)
         centres = [c for c, _ in lst]
         logs = [np.log(max(gain(gg, t), 1e-300)) for _, gg in lst]

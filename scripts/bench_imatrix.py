@@ -174,10 +174,16 @@ def gridless_figures(env: dict, q4_1_path: str, factor: int, tools: Path, work: 
 
     t = str(args.threads)
     gl = work / f"gridless-x{factor}-f16.gguf"
-    sh([sys.executable, ROOT / "scripts" / "make_wide_model.py", q4_1_path, "--factor", str(factor), "--dither", "-o", gl], env)
     name = f"gl{factor}-f16"
-    edgellm(env, "import", str(gl), "--name", name, "--link")
-    im = edgellm(env, "imatrix", name, "--threads", t, "--json", "--no-progress")["file"]
+    home = Path(env["EDGELLM_HOME"])
+    if not (home / "models" / name).is_dir():  # else left by an earlier --work run: the script is deterministic
+        sh(
+            [sys.executable, ROOT / "scripts" / "make_wide_model.py", q4_1_path, "--factor", str(factor), "--dither", "-o", gl],
+            env,
+        )
+        edgellm(env, "import", str(gl), "--name", name, "--link")
+    kept = home / "imatrix" / f"{name}-imatrix.gguf"
+    im = str(kept) if kept.is_file() else edgellm(env, "imatrix", name, "--threads", t, "--json", "--no-progress")["file"]
     fig: dict = {"factor": factor, "levels": {}}
     refs = {}
     levels = [lv.strip().lower() for lv in args.levels.split(",") if lv.strip()]
@@ -256,19 +262,32 @@ def main() -> int:
         help="only part 6, on the dithered default model widened F times (repeatable: --gridless 1 --gridless 4)",
     )
     ap.add_argument(
+        "--levels",
+        default=",".join(GRIDLESS_LEVELS),
+        help="with --gridless: the stock levels to compare at (default: the four the issue names)",
+    )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="work folder (default: a new temporary one); with --gridless, a gridless model and importance "
+        "matrix a killed run left there are used again instead of made again",
+    )
+    ap.add_argument(
         "--only-speed",
         action="store_true",
         help="only part 5 (its recipe from one --budget search at Q4_K_M's size): minutes, not an hour",
     )
     args = ap.parse_args()
     tools = tools_dir()
-    work = Path(tempfile.mkdtemp(prefix="bench-imatrix-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-imatrix-"))
+    work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, EDGELLM_HOME=str(work / "home"))
     fig: dict = {"chunks": args.chunks, "threads": args.threads, "ctx": 512}
     t = str(args.threads)
 
     pulled = edgellm(env, "pull", "smollm2-135m-instruct", "--json", "--no-progress")
-    f16 = edgellm(env, "convert", "smollm2-135m-instruct", "--to", "f16", "--json", "--no-progress")
+    f16 = edgellm(env, "convert", "smollm2-135m-instruct", "--to", "f16", "--json", "--no-progress", "--force")
     base, f16_path = f16["name"], f16["path"]
     if args.gridless:
         q4_1 = pulled["path"]  # the Q4_1 file: make_wide_model.py reads each block's step from it
