@@ -59,8 +59,8 @@ from quant._common import BaseInput, base_name
 from quant._ggml import ggml
 from quant.imatrix import calibration_text, choose_imatrix
 from quant.imatrix_file import IMatrix
-from quant.quantize import QuantizeResult, TensorOverrides, quantize
-from quant.recipe import FILE_TYPE, TYPES, Recipe, llama_quantize_text, resolve_base
+from quant.quantize import QuantizeResult
+from quant.recipe import FILE_TYPE, TYPES, Recipe, llama_quantize_text, quantize_with, resolve_base
 
 SAMPLE_ROWS = 256
 
@@ -474,18 +474,19 @@ def quantize_to_budget(
         "search_seconds": recipe.search_seconds,
     }
     try:
-        res = quantize(
+        res = quantize_with(
+            recipe,
             src,
-            [FILE_TYPE],
+            lineage,
+            label,
+            imatrix=choice,
             output=output,
             threads=threads,
             force=force,
-            imatrix=choice,
-            overrides=TensorOverrides(recipe.overrides(), lineage, label),
             store=store,
             on_progress=on_progress,
             cancel=cancel,
-        )[0]
+        )
     except BaseException:
         for p in written:
             p.unlink(missing_ok=True)

@@ -175,16 +175,23 @@ def apply_recipe(
         from quant.imatrix import choose_imatrix  # only with a matrix: it loads the calibration machinery
 
         choice = choose_imatrix(imatrix, src.resolved, store=store, on_progress=on_progress, cancel=cancel)
-    res = quantize(
+    res = quantize_with(
+        recipe,
         src,
-        [FILE_TYPE],
+        lineage,
+        label,
+        imatrix=choice,
         output=output,
         threads=threads,
         force=force,
-        imatrix=choice,
-        overrides=TensorOverrides(recipe.overrides(), lineage, label),
         store=store,
         on_progress=on_progress,
         cancel=cancel,
-    )[0]
+    )
     return res, recipe
+
+
+def quantize_with(recipe: Recipe, src: BaseInput, lineage: dict[str, Any], label: str, **kw: Any) -> QuantizeResult:
+    """One file with the recipe's per-tensor types: what `--recipe` and `--budget` both end in. `kw`: quantize()'s
+    output, threads, force, imatrix, store, on_progress, cancel."""
+    return quantize(src, [FILE_TYPE], overrides=TensorOverrides(recipe.overrides(), lineage, label), **kw)[0]
