@@ -44,49 +44,7 @@ def list_cmd(as_json: bool, local: bool) -> None:
             needs[m.name] = 0
     cat_needs = {e.name: level_estimate(e.parameters, e.default_level).total_bytes for e in catalog}
     if as_json:
-        keys = (
-            "name",
-            "path",
-            "size_bytes",
-            "sha256",
-            "level",
-            "source",
-            "parent",
-            "architecture",
-            "parameters",
-            "context_length",
-            "catalog",
-        )
-        emit_json(
-            {
-                "ram_available_bytes": ram,
-                "ctx": DEFAULT_CTX,
-                "models": [
-                    {
-                        **{k: m.to_json()[k] for k in keys},
-                        "ram_needed_bytes": needs[m.name],
-                        "fits": bool(needs[m.name]) and needs[m.name] <= ram,
-                        "link": m.link,
-                    }
-                    for m in models
-                ],
-                "catalog": [
-                    {
-                        "name": e.name,
-                        "repo": e.repo,
-                        "levels": e.levels,
-                        "default_level": e.default_level,
-                        "parameters": e.parameters,
-                        "context_length": e.context_length,
-                        "license": e.license,
-                        "default": e.default,
-                        "ram_needed_bytes": cat_needs[e.name],
-                        "fits": cat_needs[e.name] <= ram,
-                    }
-                    for e in catalog
-                ],
-            }
-        )
+        emit_json(_list_json(models, catalog, needs, cat_needs, ram))
         return
     click.echo(
         f"Local store ({store.home}); fit: RAM needed at ctx {DEFAULT_CTX} vs {human_size(ram)} available "
@@ -108,6 +66,51 @@ def list_cmd(as_json: bool, local: bool) -> None:
                 f" {mark}{e.name:<28} {e.parameters / 1e9:5.2f}B  ctx {e.context_length:<6} {e.license:<11} "
                 f"{fit_mark(est, ram)} {human_size(est):>9}  levels: {', '.join(e.levels)}"
             )
+
+
+def _list_json(models: list, catalog: list, needs: dict[str, int], cat_needs: dict[str, int], ram: int) -> dict:
+    """`models list --json`: the store and the catalog, each with the RAM it needs and whether it fits."""
+    keys = (
+        "name",
+        "path",
+        "size_bytes",
+        "sha256",
+        "level",
+        "source",
+        "parent",
+        "architecture",
+        "parameters",
+        "context_length",
+        "catalog",
+    )
+    return {
+        "ram_available_bytes": ram,
+        "ctx": DEFAULT_CTX,
+        "models": [
+            {
+                **{k: m.to_json()[k] for k in keys},
+                "ram_needed_bytes": needs[m.name],
+                "fits": bool(needs[m.name]) and needs[m.name] <= ram,
+                "link": m.link,
+            }
+            for m in models
+        ],
+        "catalog": [
+            {
+                "name": e.name,
+                "repo": e.repo,
+                "levels": e.levels,
+                "default_level": e.default_level,
+                "parameters": e.parameters,
+                "context_length": e.context_length,
+                "license": e.license,
+                "default": e.default,
+                "ram_needed_bytes": cat_needs[e.name],
+                "fits": cat_needs[e.name] <= ram,
+            }
+            for e in catalog
+        ],
+    }
 
 
 def _pull_options(f):

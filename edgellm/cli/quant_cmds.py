@@ -12,6 +12,7 @@ from edgellm.fsutil import human_size
 from edgellm.units import SIZE_HELP
 
 
+# long: the click options (levels, --imatrix, --budget, --recipe, output) are the interface; the body translates them
 @click.command("quantize")
 @click.argument("model")
 @click.option(

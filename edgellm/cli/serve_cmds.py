@@ -11,6 +11,7 @@ from edgellm.models.resolve import resolve
 from edgellm.serve.app import ServerConfig, bind_warning, describe, serve
 
 
+# long: the click options are the server's whole configuration, one decorator each; the body is ~50 lines
 @click.command("serve")
 @click.argument("model", required=False)
 @click.option(

@@ -17,15 +17,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional
 
 from edgellm.engine import backends, hardware
 from edgellm.engine.gpu_load import allocation_report, load_llama
-from edgellm.engine.memory import DEFAULT_CTX, check_fits, default_threads, estimate, kv_bytes_per_token
 from edgellm.engine.memory import KV_BYTES_PER_ELEM as KV_BYTES_PER_ELEMENT  # one table for the load guard and /stats
+from edgellm.engine.memory import check_fits, default_threads, estimate, kv_bytes_per_token
 from edgellm.engine.native_io import capture_native_stderr, silence_native_stderr
+from edgellm.engine.options import KV_TYPES, GenerationStats, RuntimeOptions, SamplingParams, resolve_gpu_layers
 from edgellm.errors import Cancelled, UsageError
 from edgellm.gguf.reader import read_gguf
 from edgellm.progress import CancelToken
@@ -34,110 +34,6 @@ if TYPE_CHECKING:
     from edgellm.engine.decode import Batch  # imported where the first stream needs it
 
 log = logging.getLogger(__name__)
-
-KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
-
-
-@dataclass
-class RuntimeOptions:
-    # context
-    n_ctx: int = DEFAULT_CTX
-    n_batch: int = 512
-    n_ubatch: int = 512
-    # threads
-    n_threads: Optional[int] = None  # None: physical cores, fewer while other processes take cores (engine.threads)
-    n_threads_batch: Optional[int] = None
-    # memory / offload
-    n_gpu_layers: Union[int, str] = 0  # int, or "auto"/"all"
-    gpu_device: Optional[str] = None  # index or name (edgellm.engine.gpu.find_device); None: auto, never a software device
-    gpu_mem: Optional[int] = None  # bytes edgellm may use on the device
-    use_mmap: bool = True
-    use_mlock: bool = False
-    kv_type: str = "f16"
-    flash_attn: Optional[bool] = None
-    # misc
-    seed: int = 0xFFFFFFFF
-    logits_all: bool = False
-    verbose: bool = False
-    force: bool = False  # load even when weights + KV exceed available RAM
-    draft: str = "off"  # speculative decoding for requests that do not choose (SamplingParams.draft ""): serve --draft
-    # llama.cpp RPC workers (edgellm.engine.rpc): HOST:PORT[,...], and --split shares (this machine first)
-    rpc: Optional[str] = None
-    rpc_split: Optional[str] = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    seed: Optional[int] = None
-    max_tokens: int = 512
-    stop: list[str] = field(default_factory=list)
-    grammar: Any = None  # a llama_cpp.LlamaGrammar
-    # speculative decoding (engine.speculative): "off", "ngram", or "model" (the runtime's attached draft model)
-    draft: str = "off"
-    draft_max: int = 0  # most drafted tokens per step; 0: the default (48)
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0  # tokens in the whole prompt sent this turn
-    evaluated_prompt_tokens: int = 0  # of those, how many llama.cpp actually evaluated
-    reused_tokens: int = 0  # prompt tokens served from the KV cache
-    generated_tokens: int = 0
-    ttft_seconds: float = 0.0
-    prompt_seconds: float = 0.0
-    generation_seconds: float = 0.0
-    stop_reason: str = ""  # "eos", "stop", "length", "cancelled"
-    # filled by edgellm.chat.session: the turn's place in the context window
-    dropped_turns: int = 0  # oldest turns dropped this turn because the context was full
-    kv_tokens: int = 0  # tokens held in the KV cache after the turn
-    context_size: int = 0
-    # speculative decoding, as llama-server counts it: drafted tokens, accepted ones, verification steps
-    draft: str = "off"
-    draft_tokens: int = 0
-    draft_accepted: int = 0
-    draft_steps: int = 0
-    draft_accepted_per_pos: list[int] = field(default_factory=list)
-    threads: int = 0  # the thread count at the end of the reply (it follows the machine unless pinned)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.generation_seconds if self.generation_seconds > 0 else 0.0
-
-    @property
-    def prompt_tokens_per_second(self) -> float:
-        return self.evaluated_prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["tokens_per_second"] = round(self.tokens_per_second, 3)
-        d["prompt_tokens_per_second"] = round(self.prompt_tokens_per_second, 3)
-        return d
-
-
-def resolve_gpu_layers(value: Union[int, str], *, warn: Callable[[str], None] = log.warning) -> int:
-    """`auto` → all layers when a GPU backend exists, else 0; N on a CPU-only build → 0 with one warning."""
-    import llama_cpp
-
-    gpu = bool(llama_cpp.llama_supports_gpu_offload())
-    if isinstance(value, str):
-        if value.strip().lower() == "auto":
-            return -1 if gpu else 0
-        try:
-            value = int(value)
-        except ValueError:
-            raise UsageError(f"--gpu-layers takes a number, 'auto' or 0, not {value!r}") from None
-    if value != 0 and not gpu:
-        warn("this llama.cpp build has no GPU backend (CPU-only); running on the CPU")
-        return 0
-    return value
 
 
 class Runtime:
@@ -354,6 +250,16 @@ class Runtime:
             self._kv = []
         return ctx, self.llm._model.vocab, self._batch
 
+    def _room(self, prompt: list[int], s: SamplingParams) -> int:
+        """How many tokens the reply may have: max_tokens, bounded by what the context leaves after the prompt."""
+        if not prompt:
+            raise UsageError("empty prompt")
+        n_ctx = self.n_ctx
+        if len(prompt) >= n_ctx:
+            raise UsageError(f"the prompt is {len(prompt)} tokens but the context holds {n_ctx}; raise --ctx or shorten it")
+        return min(s.max_tokens if s.max_tokens and s.max_tokens > 0 else n_ctx, n_ctx - len(prompt))
+
+    # long: one reply in one frame: KV reuse, the decode loop and the timing that `finally` fills from its locals
     def stream(
         self,
         prompt_tokens: Sequence[int],
@@ -381,12 +287,8 @@ class Runtime:
         s = sampling or SamplingParams()
         st = stats if stats is not None else GenerationStats()
         prompt = list(prompt_tokens)
-        if not prompt:
-            raise UsageError("empty prompt")
         n_ctx = self.n_ctx
-        if len(prompt) >= n_ctx:
-            raise UsageError(f"the prompt is {len(prompt)} tokens but the context holds {n_ctx}; raise --ctx or shorten it")
-        max_new = min(s.max_tokens if s.max_tokens and s.max_tokens > 0 else n_ctx, n_ctx - len(prompt))
+        max_new = self._room(prompt, s)
         ctx, vocab, batch = self._engine()
         import llama_cpp
 
@@ -401,11 +303,8 @@ class Runtime:
         # one seeded call does not make every later call deterministic.
         sampler = Sampler(vocab, s, default_seed=self.options.seed)
         text = TextStream(vocab, s.stop)
-        st.prompt_tokens = len(prompt)
-        st.reused_tokens = keep
-        st.evaluated_prompt_tokens = len(prompt) - keep
-        st.stop_reason = "length"
-        st.draft = s.draft if spec is not None else "off"
+        st.prompt_tokens, st.reused_tokens, st.evaluated_prompt_tokens = len(prompt), keep, len(prompt) - keep
+        st.stop_reason, st.draft = "length", s.draft if spec is not None else "off"
         st.threads = governor.threads if governor is not None else self.n_threads
         self._reset_perf()
         kv = self._kv

@@ -26,27 +26,17 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from edgellm import paths
-from edgellm.errors import (
-    CatalogError,
-    DownloadError,
-    InsufficientResources,
-    IntegrityError,
-    ModelExists,
-    ModelNotFound,
-    OfflineError,
-    UsageError,
-)
+from edgellm.errors import DownloadError, InsufficientResources, IntegrityError, ModelExists, ModelNotFound, OfflineError
 from edgellm.fsutil import atomic_path, check_free_disk, free_bytes, human_size, sha256_file
 from edgellm.gguf.reader import read_gguf
-from edgellm.models.catalog import CatalogEntry, load_catalog, parse_ref
+from edgellm.models.hub_ref import Target, check_repo_path, default_name, match_level, resolve_target, split_members
 from edgellm.models.preflight import Preflight, preflight_ram
-from edgellm.models.resolve import record_from_info, store_name
+from edgellm.models.resolve import record_from_info
 from edgellm.models.store import ModelRecord, Store, validate_name
 from edgellm.models.transfer import RemoteFile, call, endpoint, fetch, resume_size, sidecar_file, verify
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
@@ -55,29 +45,12 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-_SPLIT_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
-_LEVEL_RE = re.compile(r"[-_.]((?:i?q\d[a-z0-9_]*)|f16|bf16|f32)(?:-\d{5}-of-\d{5})?\.gguf$", re.IGNORECASE)
 _TRUTHY = ("1", "true", "yes", "on")
 
 # huggingface_hub reads this once, at import (which happens lazily, after this):
 # edgellm fetches the files the user asked for and nothing else (no agent
 # registry look-up on the side, which matters behind a firewall).
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-
-
-# -- small result types -------------------------------------------------------
-
-
-@dataclass
-class Target:
-    """What a reference asks for, before the network is consulted."""
-
-    repo: str
-    level: Optional[str]
-    filenames: list[str]  # empty: resolve `level` against the repo listing
-    revision: Optional[str]
-    name: Optional[str]
-    catalog: Optional[CatalogEntry] = None
 
 
 # -- environment ----------------------------------------------------------------
@@ -98,85 +71,6 @@ def hf_cache_dir() -> Path:
 
 def downloads_dir(store: Store) -> Path:
     return store.home / "downloads"
-
-
-# -- resolving a reference ------------------------------------------------------
-
-
-def _target(ref: str, *, level, filename, revision, name) -> Target:
-    base, ref_level = parse_ref(ref)
-    level = (level or ref_level or "").lower() or None
-    if name is not None:
-        validate_name(name)
-    if "/" not in base:
-        entry = load_catalog().get(base)  # CatalogError names the problem
-        level = level or entry.default_level
-        if filename:
-            raise UsageError("--file applies to Hub repos (owner/name); catalog models pick files by level")
-        files = entry.files.get(level)
-        if not files:
-            raise CatalogError(
-                f"'{entry.name}' has no {level} file in {entry.repo}; levels there: {', '.join(entry.files) or 'none'}"
-            )
-
-        return Target(entry.repo, level, list(files), revision, name or store_name(entry.name, level), entry)
-    if base.count("/") != 1 or not all(re.fullmatch(r"[\w.-]{1,96}", p) for p in base.split("/")):
-        raise UsageError(f"'{base[:80]}' is neither a catalog name nor a Hub repo id (owner/name)")
-    if filename and level:
-        raise UsageError("give either --level or --file, not both")
-    if not filename and not level:
-        raise UsageError(f"pulling from the repo {base} needs --level LEVEL (e.g. q4_k_m) or --file FILE.gguf")
-    if filename:
-        _check_repo_path(filename)
-        if not filename.lower().endswith(".gguf"):
-            raise UsageError(f"{filename} is not a .gguf file")
-    return Target(base, level, [filename] if filename else [], revision, name)
-
-
-def _check_repo_path(f: str) -> None:
-    if not f or "\x00" in f or f.startswith("/") or "\\" in f or ".." in f.split("/") or len(f) > 255:
-        raise UsageError(f"unsafe file name {f[:60]!r}")
-
-
-def _default_name(filename: str) -> str:
-    stem = _SPLIT_RE.sub("", Path(filename).name)
-    stem = re.sub(r"\.gguf$", "", stem, flags=re.IGNORECASE)
-    cleaned = "".join(c if c.isalnum() or c in "._+-" else "-" for c in stem).strip(".-_") or "model"
-    return cleaned[:120].lower()
-
-
-def _split_members(filename: str, listing: list[str]) -> list[str]:
-    """All shards of the split set `filename` belongs to, or [filename]."""
-    m = _SPLIT_RE.search(filename)
-    if not m:
-        return [filename]
-    n = int(m.group(2))
-    prefix = filename[: m.start()]
-    shards = [f"{prefix}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
-    lower = {f.lower(): f for f in listing}
-    missing = [s for s in shards if s.lower() not in lower]
-    if missing:
-        raise ModelNotFound(f"split GGUF {Path(filename).name} is incomplete in the repo: {Path(missing[0]).name} is missing")
-    return [lower[s.lower()] for s in shards]
-
-
-def match_level(level: str, listing: list[str], *, repo: str) -> list[str]:
-    """The file (or split set) in `listing` for `level`, by GGUF naming, case-insensitively."""
-    want = level.lower()
-    sets: dict[str, list[str]] = {}
-    for f in listing:
-        m = _LEVEL_RE.search(Path(f).name)
-        if m and m.group(1).lower() == want:
-            key = _SPLIT_RE.sub("", f).lower()
-            sets.setdefault(key, []).append(f)
-    if not sets:
-        levels = sorted({m.group(1).lower() for f in listing if (m := _LEVEL_RE.search(Path(f).name))})
-        raise ModelNotFound(f"{repo} has no {level} GGUF; levels there: {', '.join(levels) or 'none (no .gguf files)'}")
-    if len(sets) > 1:
-        names = ", ".join(sorted(min(v) for v in sets.values()))
-        raise UsageError(f"{level} matches several files in {repo}: {names}; pick one with --file")
-    (files,) = sets.values()
-    return _split_members(sorted(files)[0], listing)
 
 
 # -- the pull -------------------------------------------------------------------
@@ -208,7 +102,7 @@ def pull(
     Cancelled (the partial download is kept for the next pull).
     """
     store = store or Store()
-    target = _target(ref, level=level, filename=filename, revision=revision, name=name)
+    target = resolve_target(ref, level=level, filename=filename, revision=revision, name=name)
     if target.name and (rec := _existing(store, target, target.filenames or None)):
         return rec
     if is_offline(offline):
@@ -225,12 +119,12 @@ def pull(
     siblings = {s.rfilename: s for s in (info.siblings or [])}
     filenames = target.filenames or match_level(target.level or "", list(siblings), repo=target.repo)
     if not target.catalog and target.filenames:
-        filenames = _split_members(filenames[0], list(siblings)) if filenames[0] in siblings else filenames
+        filenames = split_members(filenames[0], list(siblings)) if filenames[0] in siblings else filenames
     for f in filenames:
-        _check_repo_path(f)  # the listing is remote input too: its names become URLs and local paths
+        check_repo_path(f)  # the listing is remote input too: its names become URLs and local paths
         if f not in siblings:
             raise ModelNotFound(f"{target.repo} has no file '{f}' at {target.revision or 'main'} (404)")
-    name = target.name or _default_name(filenames[0])
+    name = target.name or default_name(filenames[0])
     validate_name(name)
     if rec := _existing(store, Target(target.repo, target.level, filenames, target.revision, name, target.catalog), filenames):
         return rec
@@ -299,29 +193,7 @@ def _download_and_register(
     except filelock.Timeout:
         raise DownloadError(f"another edgellm process is already downloading {name}") from None
     try:
-        from huggingface_hub import file_download  # huggingface_hub (~0.3 s) only on a Hub call
-        from huggingface_hub.utils import build_hf_headers  # huggingface_hub (~0.3 s) only on a Hub call
-
-        ep = endpoint()
-        locations: dict[str, tuple[str, dict]] = {}
-
-        def locate(f: RemoteFile, refresh: bool = False) -> tuple[str, dict]:
-            if refresh or f.sha256 not in locations:
-                url = file_download.hf_hub_url(target.repo, f.filename, revision=commit, endpoint=ep)
-                meta = call(
-                    lambda: file_download.get_hf_file_metadata(url, token=token, endpoint=ep),
-                    what={"repo": target.repo, "filename": f.filename, "revision": commit},
-                    cancel=cancel,
-                )
-                if meta.etag and _SHA256_RE.match(meta.etag) and meta.etag != f.sha256:
-                    raise IntegrityError(
-                        f"{f.filename}: the Hub's ETag {meta.etag[:12]}... contradicts its LFS sha256 {f.sha256[:12]}..."
-                    )
-                headers = build_hf_headers(token=token)
-                if urlsplit(meta.location).netloc != urlsplit(ep).netloc:
-                    headers.pop("authorization", None)  # signed CDN URL: never send the token off the Hub
-                locations[f.sha256] = (meta.location, headers)
-            return locations[f.sha256]
+        locate = _locator(target.repo, commit, token=token, cancel=cancel)
 
         # Preflight 2: RAM, from the first shard's GGUF header.
         def fetch_header(f: RemoteFile, upto: int) -> Path:
@@ -369,6 +241,36 @@ def _download_and_register(
     finally:
         for lk in locks:
             lk.release()
+
+
+def _locator(repo: str, commit: str, *, token, cancel) -> Callable[..., tuple[str, dict]]:
+    """`locate(file, refresh=False)` -> (URL, headers) for the transfer, from the Hub's metadata, asked once per file
+    unless `refresh` (a signed CDN URL expires mid-download)."""
+    from huggingface_hub import file_download  # huggingface_hub (~0.3 s) only on a Hub call
+    from huggingface_hub.utils import build_hf_headers
+
+    ep = endpoint()
+    locations: dict[str, tuple[str, dict]] = {}
+
+    def locate(f: RemoteFile, refresh: bool = False) -> tuple[str, dict]:
+        if refresh or f.sha256 not in locations:
+            url = file_download.hf_hub_url(repo, f.filename, revision=commit, endpoint=ep)
+            meta = call(
+                lambda: file_download.get_hf_file_metadata(url, token=token, endpoint=ep),
+                what={"repo": repo, "filename": f.filename, "revision": commit},
+                cancel=cancel,
+            )
+            if meta.etag and _SHA256_RE.match(meta.etag) and meta.etag != f.sha256:
+                raise IntegrityError(
+                    f"{f.filename}: the Hub's ETag {meta.etag[:12]}... contradicts its LFS sha256 {f.sha256[:12]}..."
+                )
+            headers = build_hf_headers(token=token)
+            if urlsplit(meta.location).netloc != urlsplit(ep).netloc:
+                headers.pop("authorization", None)  # signed CDN URL: never send the token off the Hub
+            locations[f.sha256] = (meta.location, headers)
+        return locations[f.sha256]
+
+    return locate
 
 
 def _record(
@@ -461,11 +363,11 @@ def _pull_offline(store: Store, target: Target, *, on_progress, cancel) -> Model
         )
     listing = [str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file()]
     filenames = target.filenames or match_level(target.level or "", listing, repo=f"{target.repo} (cached)")
-    filenames = _split_members(filenames[0], listing) if not target.catalog and len(filenames) == 1 else filenames
+    filenames = split_members(filenames[0], listing) if not target.catalog and len(filenames) == 1 else filenames
     missing = [f for f in filenames if not (snap / f).is_file()]
     if missing:
         raise OfflineError(f"offline: {what}: {missing[0]} is not in the store, nor in the Hugging Face cache ({cache})")
-    name = target.name or _default_name(filenames[0])
+    name = target.name or default_name(filenames[0])
     if rec := _existing(store, Target(target.repo, target.level, filenames, target.revision, name, target.catalog), filenames):
         return rec
     files: list[RemoteFile] = []

@@ -58,6 +58,7 @@ def llama_bench_args(plan: Any) -> list[str]:
     ]
 
 
+# long: one bench run read top to bottom: plan the split, run both sides interleaved, compare; the signature is 15 lines
 def bench_rpc(
     model: str,
     rpc: str,
