@@ -20,7 +20,7 @@ layers, quant/sensitivity.depth_buckets), interpolated by layer between the
 groups of its kind, measured by quant/sensitivity.py as KL divergence per
 unit of proxy error on the calibration text, and cached per model and matrix.
 
-The choice: start every matrix at its cheapest candidate, then repeatedly
+The choice (quant/allocate.py): start every matrix at its cheapest candidate, then repeatedly
 give the byte to the upgrade with the best error saved per byte (along each
 matrix's lower convex hull) until the next one would pass the budget. Sizes
 are exact: rows x ggml_row_size(type, cols), as llama.cpp's dry run counts
@@ -34,7 +34,6 @@ those whose block divides the row width, so llama.cpp never falls back.
 
 from __future__ import annotations
 
-import heapq
 import json
 import re
 import time
@@ -57,6 +56,8 @@ from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progres
 from quant import sensitivity
 from quant._common import BaseInput, base_name
 from quant._ggml import ggml
+from quant.allocate import Matrix, allocate, group_options
+from quant.allocate import hull as hull_of
 from quant.imatrix import calibration_text, choose_imatrix
 from quant.imatrix_file import IMatrix
 from quant.quantize import QuantizeResult
@@ -92,14 +93,6 @@ def parse_budget(text: str, info: GGUFInfo, *, ctx: int = DEFAULT_CTX) -> Budget
     if size is None:
         raise UsageError(f"--budget {text!r}: give a size (100MB, 95MiB; {units.SIZE_HELP}), bits per weight (4.5bpw) or ram")
     return Budget(size, text)
-
-
-@dataclass
-class Matrix:
-    name: str
-    rows: int
-    cols: int
-    options: list[tuple[str, int, float]]  # (type, bytes, weighted error), cheapest first
 
 
 def measure(
@@ -193,46 +186,6 @@ def smallest_bytes(model_path: Path, types: Sequence[str]) -> int:
     return total
 
 
-def _hull(options: list[tuple[str, int, float]]) -> list[tuple[str, int, float]]:
-    """The options on the lower convex hull of (bytes, error): the only ones a per-byte greedy should visit."""
-    pts: list[tuple[str, int, float]] = []
-    for o in options:
-        if pts and o[2] >= pts[-1][2]:
-            continue  # more bytes, no less error
-        while len(pts) >= 2:
-            (_, b1, e1), (_, b2, e2) = pts[-2], pts[-1]
-            if (e1 - e2) * (o[1] - b2) <= (e2 - o[2]) * (b2 - b1):
-                pts.pop()  # the middle point is above the line: skipping it saves more per byte
-            else:
-                break
-        pts.append(o)
-    return pts
-
-
-def allocate(mats: list[Matrix], limit: int) -> tuple[dict[str, str], int]:
-    """Greedy by error saved per byte along each hull, within `limit` bytes for the matrices."""
-    hulls = {m.name: _hull(m.options) for m in mats}
-    level = {n: 0 for n in hulls}
-    used = sum(h[0][1] for h in hulls.values())
-    if used > limit:
-        raise QuantizeError("budget below the smallest file")  # caught and reworded by the caller
-    heap: list[tuple[float, str]] = []
-    for n, h in hulls.items():
-        if len(h) > 1:
-            heapq.heappush(heap, (-(h[0][2] - h[1][2]) / (h[1][1] - h[0][1]), n))
-    while heap:
-        _gain, n = heapq.heappop(heap)
-        h, k = hulls[n], level[n]
-        extra = h[k + 1][1] - h[k][1]
-        if used + extra > limit:
-            continue  # this upgrade does not fit; cheaper ones of other matrices may
-        used += extra
-        level[n] = k + 1
-        if k + 2 < len(h):
-            heapq.heappush(heap, (-(h[k + 1][2] - h[k + 2][2]) / (h[k + 2][1] - h[k + 1][1]), n))
-    return {n: hulls[n][level[n]][0] for n in hulls}, used
-
-
 MAX_ROUNDS = 3  # probe what the allocation picks, allocate again; stops when every pick is measured
 PICKS_PER_GROUP = 2  # per round, a group's most used unmeasured picks: the rest borrow the nearest measured gain
 
@@ -277,9 +230,11 @@ def _wanted(
     nearest the budget's bits per weight; after, every type the allocation picked that is not measured."""
     want = []
     for g, ms in groups.items():
-        opts = ms[0].options  # a group is one kind of matrix: the same shape, the same candidate types
         if choice is None:
-            picks = {min(opts, key=lambda o: (abs(type_bpw(o[0]) - target_bpw), o[1]))[0]}
+            # among the types on the group's hull only: one off it (Q4_1 at 256-multiple widths, where
+            # Q4_K is smaller and as good) is never picked, so its probe would only feed this first guess
+            hull = hull_of(group_options(ms))
+            picks = {min(hull, key=lambda o: (abs(type_bpw(o[0]) - target_bpw), o[1]))[0]}
             if any(k[0] == g for k in results):
                 picks = set()  # measured before at some type: its gain stands in until the allocation asks
         else:

@@ -146,3 +146,20 @@ def test_temperature_zero_is_greedy_and_matches_llama_cpp_argmax(rt):
     b.close()
     rt.reset()
     assert text == rt.detokenize([int(np.argmax(logits))])
+
+
+@pytest.mark.parametrize("flash_attn", [None, False])
+def test_flash_attention_on_by_default_on_the_cpu_and_the_estimate_counts_its_buffer(default_gguf, flash_attn):
+    """auto (None) is on where every layer runs on the CPU, as llama.cpp's -fa auto; the estimate's compute
+    bytes follow what llama.cpp reserves either way (at ctx 8192 the score buffer is 1.7x the logits')."""
+    import re
+
+    r = Runtime(default_gguf, RuntimeOptions(n_ctx=8192, n_threads=1, flash_attn=flash_attn))
+    try:
+        assert r.flash_attn is (flash_attn is None)
+        m = re.search(r"CPU compute buffer size =\s*([0-9.]+) MiB", r.load_log)
+        assert m, r.load_log[-2000:]
+        reserved = float(m.group(1)) * 2**20
+        assert abs(r.memory.compute_bytes - reserved) <= 0.06 * reserved, (r.memory.compute_bytes, reserved)
+    finally:
+        r.close()

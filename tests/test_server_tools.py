@@ -246,9 +246,10 @@ def test_logprobs_at_temperature_0_equal_llama_servers(client, llama_tools, defa
     r = client.completions.create(model=DEFAULT_NAME, prompt=prompt, max_tokens=16, temperature=0, logprobs=5)
     ours = r.choices[0].logprobs
     assert len(ours.token_logprobs) == 16 and all(len(t) == 5 for t in ours.top_logprobs)
-    # Flash attention off, as edgellm's contexts run with an f16 KV cache: llama-server's default (auto: on
-    # for the CPU) moves these log-probabilities by up to 0.58 on the default model, the same tokens chosen.
-    proc, url = _llama_server(llama_tools, default_gguf, "-c", "1024", "-fa", "off")
+    # llama-server's default, flash attention auto (on for the CPU), as edgellm's CPU contexts run
+    # (engine.memory.flash_attn_default); with it off on one side only these log-probabilities move by
+    # up to 0.58 on the default model, the same tokens chosen.
+    proc, url = _llama_server(llama_tools, default_gguf, "-c", "1024")
     try:
         ref = _post(
             url + "/completion", {"prompt": prompt, "n_predict": 16, "temperature": 0, "n_probs": 5, "cache_prompt": False}

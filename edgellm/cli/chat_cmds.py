@@ -94,7 +94,7 @@ def _show_plan(plan) -> None:
     type=click.Choice(["auto", "on", "off"]),
     default="auto",
     show_default=True,
-    help="Flash attention; auto: on with --draft (its kernel rounds a batch as it rounds one token, so drafts leave the reply unchanged).",
+    help="Flash attention; auto: on when every layer runs on the CPU (as llama.cpp's -fa auto there) or with --draft (its kernel rounds a batch as it rounds one token, so drafts leave the reply unchanged), else off.",
 )
 @click.option("--mlock", is_flag=True, help="Lock the model in RAM.")
 @click.option("--no-mmap", is_flag=True, help="Read the model into memory instead of mapping it.")

@@ -276,7 +276,8 @@ _BLK = re.compile(r"^blk\.(\d+)\.")
 def layer_costs(path: Path | str, info, *, ctx: int, kv_type: str = "f16", n_ubatch: int = 512) -> LayerCosts:
     """Split the RAM guard's estimate per layer with the GGUF's own tensor sizes."""
 
-    est = estimate(info, ctx=ctx, kv_type=kv_type, n_ubatch=n_ubatch)
+    # with GPU layers flash attention is off unless asked (memory.flash_attn_default): the score buffer counts
+    est = estimate(info, ctx=ctx, kv_type=kv_type, n_ubatch=n_ubatch, flash_attn=False)
     n = int(info.block_count or 0)
     blocks = [0] * n
     output = host = embd = 0

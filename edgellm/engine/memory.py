@@ -14,19 +14,28 @@ disagree. The parts follow what llama.cpp allocates on the CPU backend
   bytes count twice (`repacked_bytes`);
 - KV cache: 2 (K and V) x layers x ctx x n_embd_kv x bytes per element of
   the cache type (llama.cpp clears the buffer at load, so all of it is resident);
-- compute buffers: sized for one micro-batch (n_ubatch tokens): the larger of
-  the logits (n_vocab floats per token) and the attention scores (ctx x
-  n_head floats per token), plus a few activation rows of n_embd;
+- compute buffers: sized for one micro-batch (n_ubatch tokens): the logits
+  (n_vocab floats per token) plus a few activation rows of n_embd; with
+  flash attention off, the larger of the logits and the attention scores
+  (ctx x n_head floats per token). Flash attention is on by default where
+  every layer runs on this CPU (`flash_attn_default`, as llama.cpp's own
+  `-fa auto` resolves on the CPU): without it the score buffer grows with
+  ctx x heads and a short chat touches only part of it, so no estimate is
+  both above a full context and close to a short turn (0.54B Q4_K_M at ctx
+  4096: 173 MB of scores reserved, a 512-token turn 1.21x below the estimate);
 - the process itself (`PROCESS_BYTES`): Python with numpy, llama.cpp's
   code and the chat CLI's modules (45 MiB before a model loads), plus what a
   context adds beside those buffers (llama-cpp-python's logits arrays, the
-  thread pool, allocator arenas). Measured: `edgellm chat` of SmolLM2-135M
-  with a 4061-token prompt at ctx 4096 peaked at 374.5 MiB RSS, 92.9 MiB
-  above weights + KV cache + compute buffer.
+  thread pool, allocator arenas). Measured with flash attention off:
+  `edgellm chat` of SmolLM2-135M with a 4061-token prompt at ctx 4096
+  peaked at 374.5 MiB RSS, 92.9 MiB above weights + KV cache + compute buffer.
 
-The estimate is the peak of a full context: a short chat turn touches only
-part of the compute buffer and stays below it (~275 MiB at 640 tokens).
-tests/test_memory.py holds it to within 10% of a measured chat process.
+With flash attention on the compute buffer is the logits' (512 rows reserved,
+one computed per chat step) plus a few MiB of activations, so the estimate
+stays above a chat's peak at any prompt length, by the untouched logits: at
+ctx 4096, a 512-token chat peaks 1.27x below it at 135M Q4_K_M, 1.10x at
+0.54B and 1.03x at 1.93B (docs/scale.md); tests/test_memory.py holds the
+135M default model's full context between 1.00x and 1.45x.
 """
 
 from __future__ import annotations
@@ -45,6 +54,14 @@ DEFAULT_CTX = 4096
 DEFAULT_UBATCH = 512
 MiB = 1 << 20
 PROCESS_BYTES = 96 * MiB
+
+
+def flash_attn_default(gpu_layers: object = 0, rpc: bool = False) -> bool:
+    """Flash attention when the caller does not choose (`--flash-attn auto`): on where every layer runs on
+    this machine's CPU, as llama.cpp's `-fa auto` resolves there (and speculative decoding needs: its batched
+    verification then rounds as single tokens do); off with GPU layers or RPC workers, whose backends edgellm
+    has not measured with it."""
+    return not rpc and str(gpu_layers).strip() in ("0", "")
 
 # Bytes per K/V element for each cache type (ggml block bytes / elements per block).
 KV_BYTES_PER_ELEM = {
@@ -130,16 +147,19 @@ def estimate(
     kv_type: str = "f16",
     n_ubatch: int = DEFAULT_UBATCH,
     features: Optional[Sequence[str]] = None,
+    flash_attn: bool = True,
 ) -> MemoryEstimate:
     """Peak memory of one process holding this model at `ctx` with a `kv_type` cache
-    (`features`: the CPU's, llama.cpp spelling; this machine's when None)."""
+    (`features`: the CPU's, llama.cpp spelling; this machine's when None; `flash_attn`: as the context
+    runs, `flash_attn_default()` unless the caller chose)."""
     ub = max(1, min(n_ubatch, ctx))
     n_vocab = shape.vocab_size or 32000
     n_head = shape.head_count or 1
     n_embd = shape.embedding_length or 0
-    # The graph's biggest live tensors: the logits, or the attention scores
-    # and their softmax (~15% more at long ctx); plus a few activation rows.
-    compute = 4 * ub * max(n_vocab, int(1.15 * ctx * n_head)) + 3 * 4 * ub * n_embd
+    # The graph's biggest live tensors: the logits, or without flash attention the attention
+    # scores and their softmax (~15% more at long ctx); plus a few activation rows.
+    scores = 0 if flash_attn else int(1.15 * ctx * n_head)
+    compute = 4 * ub * max(n_vocab, scores) + 3 * 4 * ub * n_embd
     return MemoryEstimate(
         weights_bytes=int(shape.tensor_bytes),
         kv_bytes=kv_bytes_per_token(shape, kv_type) * ctx,

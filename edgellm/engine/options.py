@@ -37,7 +37,7 @@ class RuntimeOptions:
     use_mmap: bool = True
     use_mlock: bool = False
     kv_type: str = "f16"
-    flash_attn: Optional[bool] = None
+    flash_attn: Optional[bool] = None  # None: engine.memory.flash_attn_default (on where every layer runs on the CPU)
     # misc
     seed: int = 0xFFFFFFFF
     logits_all: bool = False

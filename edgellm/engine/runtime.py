@@ -18,12 +18,12 @@ import logging
 import time
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from edgellm.engine import backends, hardware
 from edgellm.engine.gpu_load import allocation_report, load_llama
 from edgellm.engine.memory import KV_BYTES_PER_ELEM as KV_BYTES_PER_ELEMENT  # one table for the load guard and /stats
-from edgellm.engine.memory import check_fits, default_threads, estimate, kv_bytes_per_token
+from edgellm.engine.memory import check_fits, default_threads, estimate, flash_attn_default, kv_bytes_per_token
 from edgellm.engine.native_io import capture_native_stderr, silence_native_stderr
 from edgellm.engine.options import KV_TYPES, GenerationStats, RuntimeOptions, SamplingParams, resolve_gpu_layers
 from edgellm.errors import Cancelled, UsageError
@@ -34,6 +34,15 @@ if TYPE_CHECKING:
     from edgellm.engine.decode import Batch  # imported where the first stream needs it
 
 log = logging.getLogger(__name__)
+
+
+def _gpu_layers(opts: RuntimeOptions) -> Union[int, str]:
+    """The GPU layers asked for, 0 on a build without a GPU backend (where `auto` and N run on the CPU)."""
+    if str(opts.n_gpu_layers).strip() in ("0", ""):
+        return 0
+    import llama_cpp
+
+    return opts.n_gpu_layers if llama_cpp.llama_supports_gpu_offload() else 0
 
 
 class Runtime:
@@ -60,13 +69,18 @@ class Runtime:
         self.options = opts = options or RuntimeOptions()
         if opts.kv_type not in KV_TYPES:
             raise UsageError(f"unknown KV cache type {opts.kv_type!r} (expected one of {', '.join(KV_TYPES)})")
+        # llama.cpp needs flash attention for a quantized V cache
+        fa = opts.flash_attn if opts.flash_attn is not None else flash_attn_default(_gpu_layers(opts), bool(opts.rpc))
+        self.flash_attn = fa or opts.kv_type != "f16"
         self.info = read_gguf(self.path) if validate else None
         self.memory = None  # the MemoryEstimate the load guard checked (None without validation)
         if self.info is not None:
             from edgellm.gguf.reader import check_tensor_data
 
             check_tensor_data(self.path)
-            self.memory = estimate(self.info, ctx=opts.n_ctx, kv_type=opts.kv_type, n_ubatch=opts.n_ubatch)
+            self.memory = estimate(
+                self.info, ctx=opts.n_ctx, kv_type=opts.kv_type, n_ubatch=opts.n_ubatch, flash_attn=self.flash_attn
+            )
             if not opts.rpc:  # split across workers: the RPC plan checks each device's share, this machine's too
                 check_fits(self.memory, self.path.name, force=opts.force, warn=warn or log.warning)
         if opts.n_ctx < 8:
@@ -90,13 +104,10 @@ class Runtime:
             logits_all=opts.logits_all,
             verbose=opts.verbose,
         )
+        kw["flash_attn"] = self.flash_attn
         if opts.kv_type != "f16":
             kw["type_k"] = KV_TYPES[opts.kv_type]
             kw["type_v"] = KV_TYPES[opts.kv_type]
-            # llama.cpp needs flash attention for a quantized V cache.
-            kw["flash_attn"] = True
-        elif opts.flash_attn is not None:
-            kw["flash_attn"] = opts.flash_attn
         # The offload plan (edgellm.engine.gpu): layers, device and bytes, decided before loading.
         self.gpu_plan = None
         if self.info is not None and not opts.rpc:  # with --rpc the RPC plan places the layers
