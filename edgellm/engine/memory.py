@@ -63,6 +63,7 @@ def flash_attn_default(gpu_layers: object = 0, rpc: bool = False) -> bool:
     has not measured with it."""
     return not rpc and str(gpu_layers).strip() in ("0", "")
 
+
 # Bytes per K/V element for each cache type (ggml block bytes / elements per block).
 KV_BYTES_PER_ELEM = {
     "f32": 4.0,
