@@ -196,6 +196,8 @@ def gridless_figures(env: dict, q4_1_path: str, factor: int, tools: Path, work: 
         sh([tools / "llama-quantize", "--imatrix", im, gl, ref, lv.upper(), t], env)
         fig["levels"][lv] = {"llama_quantize_s": time.perf_counter() - t0, "size_bytes": ref.stat().st_size}
         refs[lv] = f"gl{factor}-{lv}-imat"
+        if (home / "models" / refs[lv]).is_dir():  # a --work rerun: the reference was just made again
+            edgellm(env, "rm", refs[lv])
         edgellm(env, "import", str(ref), "--name", refs[lv], "--link")
     q8 = work / f"gl{factor}-q8_0.gguf"
     sh([tools / "llama-quantize", gl, q8, "Q8_0", t], env)
