@@ -56,12 +56,12 @@ MiB = 1 << 20
 PROCESS_BYTES = 96 * MiB
 
 
-def flash_attn_default(gpu_layers: object = 0, rpc: bool = False) -> bool:
+def flash_attn_default(gpu_layers: int = 0, rpc: bool = False) -> bool:
     """Flash attention when the caller does not choose (`--flash-attn auto`): on where every layer runs on
     this machine's CPU, as llama.cpp's `-fa auto` resolves there (and speculative decoding needs: its batched
     verification then rounds as single tokens do); off with GPU layers or RPC workers, whose backends edgellm
     has not measured with it."""
-    return not rpc and str(gpu_layers).strip() in ("0", "")
+    return not rpc and gpu_layers == 0  # as options.resolve_gpu_layers counts them: 0 on a build without a GPU
 
 
 # Bytes per K/V element for each cache type (ggml block bytes / elements per block).

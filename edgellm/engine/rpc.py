@@ -393,9 +393,8 @@ def plan(
     if not has_output_tensor:  # tied embeddings: llama.cpp loads token_embd a second time for the output
         output_bytes += tok_embd
     kv_layer = kv_bytes_per_token(info, kv_type) * n_ctx // max(1, n_layer)
-    est = estimate(
-        info, ctx=n_ctx, kv_type=kv_type, n_ubatch=n_ubatch, flash_attn=False
-    )  # off with RPC workers (flash_attn_default)
+    # flash attention is off with RPC workers (memory.flash_attn_default): the score buffer counts
+    est = estimate(info, ctx=n_ctx, kv_type=kv_type, n_ubatch=n_ubatch, flash_attn=False)
     names = ["local"] + [f"RPC{k}" for k in range(len(rpc_devs))]
     wheres = ["this machine"] + [str(w.endpoint) + (f" dev {i}" if len(w.devices) > 1 else "") for w, i, _ in rpc_devs]
     devices: list[DevicePlan] = []

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional
 
 from edgellm.engine import backends, hardware
 from edgellm.engine.gpu_load import allocation_report, load_llama
@@ -34,15 +34,6 @@ if TYPE_CHECKING:
     from edgellm.engine.decode import Batch  # imported where the first stream needs it
 
 log = logging.getLogger(__name__)
-
-
-def _gpu_layers(opts: RuntimeOptions) -> Union[int, str]:
-    """The GPU layers asked for, 0 on a build without a GPU backend (where `auto` and N run on the CPU)."""
-    if str(opts.n_gpu_layers).strip() in ("0", ""):
-        return 0
-    import llama_cpp
-
-    return opts.n_gpu_layers if llama_cpp.llama_supports_gpu_offload() else 0
 
 
 class Runtime:
@@ -70,7 +61,11 @@ class Runtime:
         if opts.kv_type not in KV_TYPES:
             raise UsageError(f"unknown KV cache type {opts.kv_type!r} (expected one of {', '.join(KV_TYPES)})")
         # llama.cpp needs flash attention for a quantized V cache
-        fa = opts.flash_attn if opts.flash_attn is not None else flash_attn_default(_gpu_layers(opts), bool(opts.rpc))
+        fa = (
+            opts.flash_attn
+            if opts.flash_attn is not None
+            else flash_attn_default(resolve_gpu_layers(opts.n_gpu_layers, warn=lambda _m: None), bool(opts.rpc))
+        )
         self.flash_attn = fa or opts.kv_type != "f16"
         self.info = read_gguf(self.path) if validate else None
         self.memory = None  # the MemoryEstimate the load guard checked (None without validation)
