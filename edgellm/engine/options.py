@@ -106,17 +106,17 @@ class GenerationStats:
 
 
 def resolve_gpu_layers(value: Union[int, str], *, warn: Callable[[str], None] = log.warning) -> int:
-    """`auto` → all layers when a GPU backend exists, else 0; N on a CPU-only build → 0 with one warning."""
+    """`auto` and `all` → all layers when a GPU backend exists, else 0; N on a CPU-only build → 0 with one warning."""
     import llama_cpp
 
     gpu = bool(llama_cpp.llama_supports_gpu_offload())
     if isinstance(value, str):
-        if value.strip().lower() == "auto":
+        if value.strip().lower() in ("auto", "all"):
             return -1 if gpu else 0
         try:
             value = int(value)
         except ValueError:
-            raise UsageError(f"--gpu-layers takes a number, 'auto' or 0, not {value!r}") from None
+            raise UsageError(f"--gpu-layers takes a number, 'auto', 'all' or 0, not {value!r}") from None
     if value != 0 and not gpu:
         warn("this llama.cpp build has no GPU backend (CPU-only); running on the CPU")
         return 0
