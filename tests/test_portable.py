@@ -84,14 +84,22 @@ def test_chosen_variant_is_the_cpus_best_enabled_level(portable_python, default_
     doc = res.json()
     rows = _variants(doc)
     assert len(rows) >= 10 and {"x64", "sse42", "haswell", "skylakex", "zen4"} <= set(rows)  # 14 on llama.cpp's x86 list
-    want = best_enabled_variant(list(rows))
+    best = best_enabled_variant(list(rows))
     cb = doc["cpu_backend"]
-    assert cb["variant"] == want and cb["verified"] and cb["source"] == "self-test", cb
+    # A variant the kernel's flags allow can still die in the self-test (Sapphire Rapids guests whose hypervisor
+    # does not enable AMX state: SIGILL at the first tile load); the choice then falls to the next best, and
+    # only then: the variants between the best and the chosen one all crashed, and the reason names them.
+    want = cb["variant"]
+    crashed = [n for n, v in rows.items() if v["status"] == "crashed"]
+    assert want == best or best in crashed, (best, cb)
+    for name in crashed:
+        assert f"{name} crashed (SIG" in cb["reason"], (name, rows[name], cb)
+    assert cb["verified"] and cb["source"] == "self-test", cb
     assert rows[want]["status"] == "chosen" and rows[want]["score"] > 0
-    # every variant scored higher than the chosen one needs something the CPU or the OS lacks
+    # every variant scored higher than the chosen one needs something the CPU or the OS lacks, or crashed
     for v in rows.values():
         if v["score"] and v["score"] > rows[want]["score"]:
-            assert v["status"] in ("unsupported", "not enabled by the OS"), v
+            assert v["status"] in ("unsupported", "not enabled by the OS", "crashed"), v
     # the loaded variant uses every SIMD level this CPU has, and nothing it lacks (AMX aside)
     assert doc["missing_in_build"] == [] and doc["unsupported_in_build"] == [], doc
     assert doc["self_test"]["ok"] and doc["self_test"]["tokens"] == 8
