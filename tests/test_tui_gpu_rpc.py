@@ -79,8 +79,11 @@ def test_system_screen_lists_devices_and_probes_workers(worker):
 
 async def _reply(pilot, scr, what: str) -> None:
     """Send the typed message and wait until its reply has finished."""
+    sent = len(scr.query(".msg-user"))
     await pilot.press("enter")
-    await wait_for(pilot, lambda: scr.generating, 10, "generation to start")
+    # the message is mounted when the reply starts; a short reply from a loaded model can be over before the
+    # first poll, so waiting to see `generating` set would wait for nothing
+    await wait_for(pilot, lambda: len(scr.query(".msg-user")) > sent, 10, "generation to start")
     await wait_for(pilot, lambda: not scr.generating, 300, what)
     await pilot.pause(0.2)
 
