@@ -421,7 +421,7 @@ def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(
 
 def _check_measured_gains(recipe: dict, f16_path: Path, imatrix: Path) -> None:
     """The recipe's gains were measured on the shipped calibration text, per group and type, and differ as
-    measured; every type the recipe uses was measured in its tensor's group."""
+    measured; every type the recipe uses was measured in its tensor's group or is named as borrowed."""
     from quant.imatrix import calibration_text
     from quant.sensitivity import group_of
 
@@ -432,9 +432,17 @@ def _check_measured_gains(recipe: dict, f16_path: Path, imatrix: Path) -> None:
     assert len(cal["groups"]) == 43
     probed = [r for per in cal["groups"].values() for r in per.values()]
     assert probed and all(r["kld"] > 0 and r["error"] > 0 for r in probed)
+    # the search stops after quant.budget.MAX_ROUNDS: a pick of the last round that no round measured borrows its
+    # group's nearest measured gain, and says so; such picks stay a small minority of the recipe
+    n_borrowed = 0
     for pattern, t in recipe["tensor_types"]:
         name = pattern[1:-1].replace("\\.", ".")
-        assert t in cal["groups"][group_of(name, 30)], (name, t)
+        g = group_of(name, 30)
+        assert cal["groups"][g], g
+        if t not in cal["groups"][g]:
+            assert t in cal["borrowed"].get(g, []), (name, t, cal["borrowed"])
+            n_borrowed += 1
+    assert n_borrowed <= len(recipe["tensor_types"]) // 10, cal["borrowed"]
     # per unit of proxy error, the first layers' attn_v moves the logits >10x more than the last layers' attn_output
     gv = max(r["gain"] for r in cal["groups"]["attn_v/0"].values())
     go = max(r["gain"] for r in cal["groups"]["attn_output/20-28"].values())
