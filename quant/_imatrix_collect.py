@@ -7,6 +7,7 @@ that reads ggml's tensors (through quant/_ggml.py's bindings).
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any, Optional
 
 import numpy as np
@@ -136,12 +137,24 @@ class Collector:
         return IMatrix(entries, datasets, self.last_chunk, self.chunk_size)
 
 
+_scratch = threading.local()
+
+
 def _accumulate(acc: np.ndarray, rows: np.ndarray) -> None:
-    """acc[j] += x[j]*x[j] for each row in order, in float32, as the C loop does."""
-    buf = np.empty((rows.shape[0] + 1, acc.shape[0]), np.float32)
+    """acc[j] += x[j]*x[j] for each row in order, in float32, as the C loop does.
+
+    A reduction over axis 0 of a C-ordered array adds whole rows into the result one after another, so each
+    column is summed in the C loop's order (no pairwise summation). The rows' squares go into one scratch
+    buffer kept per thread: a fresh array per matmul (tens of MB at 2304-wide rows) cost more in page faults
+    than the arithmetic, and made `imatrix` ~1.25x llama-imatrix's time."""
+    n, cols = rows.shape[0] + 1, acc.shape[0]
+    flat = getattr(_scratch, "buf", None)
+    if flat is None or flat.size < n * cols:
+        flat = _scratch.buf = np.empty(n * cols, np.float32)
+    buf = flat[: n * cols].reshape(n, cols)
     buf[0] = acc
     np.multiply(rows, rows, out=buf[1:])
-    acc[:] = np.add.accumulate(buf, axis=0)[-1]
+    np.add.reduce(buf, axis=0, out=acc)
 
 
 def _eval_callback_type() -> Any:
