@@ -66,6 +66,12 @@ def vk_cli(vk_python: Path, *args, env: dict | None = None, timeout: float = 900
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
+def vk_chat(vk_python: Path, gguf: Path, *flags, tokens: int = 2, greedy=GREEDY, env: dict | None = None) -> CliResult:
+    """`chat -p PROMPT --json` from the Vulkan venv, greedy; lavapipe visible unless `env` is given ({}: hidden)."""
+    env = LAVAPIPE if env is None else env
+    return vk_cli(vk_python, "chat", gguf, "-p", PROMPT, "--max-tokens", tokens, "--json", *greedy, *flags, env=env)
+
+
 def chat_json(res: CliResult) -> dict:
     assert res.exit_code == 0, res
     assert "Traceback" not in res.stderr, res
@@ -100,22 +106,7 @@ def test_all_layers_on_lavapipe_match_cpu_and_the_plan(vk_python, default_gguf):
     # flash attention is on by default only with every layer on the CPU (memory.flash_attn_default), off with
     # GPU layers; its kernel rounds differently, so the CPU reference runs with the attention the device runs with
     cpu = chat_json(run_cli("chat", default_gguf, "-p", PROMPT, "--max-tokens", "8", "--json", *GREEDY, "--flash-attn", "off"))
-    res = vk_cli(
-        vk_python,
-        "chat",
-        default_gguf,
-        "-p",
-        PROMPT,
-        "--max-tokens",
-        "8",
-        "--json",
-        *GREEDY,
-        "--gpu-layers",
-        "99",
-        "--gpu-device",
-        "0",
-        env=LAVAPIPE,
-    )
+    res = vk_chat(vk_python, default_gguf, "--gpu-layers", "99", "--gpu-device", "0", tokens=8)
     gpu = chat_json(res)
     assert cpu["stats"]["generated_tokens"] == gpu["stats"]["generated_tokens"] == 8
     assert gpu["reply"] == cpu["reply"], (cpu["reply"], gpu["reply"])
@@ -134,24 +125,7 @@ def test_auto_offloads_what_fits_in_gpu_mem(vk_python, default_gguf, tmp_path):
     (At ctx 512 the compute buffer, mostly the logits of a 512-token batch, is half of the device's share.)"""
     full, one = _plan(vk_python, default_gguf, "all"), _plan(vk_python, default_gguf, "1")
     half = (full["device_bytes"] + one["device_bytes"]) // 2
-    res = vk_cli(
-        vk_python,
-        "chat",
-        default_gguf,
-        "-p",
-        PROMPT,
-        "--max-tokens",
-        "2",
-        "--json",
-        *GREEDY,
-        "--gpu-layers",
-        "auto",
-        "--gpu-device",
-        "Vulkan0",
-        "--gpu-mem",
-        str(half),
-        env=LAVAPIPE,
-    )
+    res = vk_chat(vk_python, default_gguf, "--gpu-layers", "auto", "--gpu-device", "Vulkan0", "--gpu-mem", str(half))
     rep = chat_json(res)["gpu"]
     n = rep["n_gpu_layers"]
     assert 0 < n < 31, rep
@@ -180,24 +154,7 @@ def _plan(vk_python: Path, gguf: Path, layers: str, gpu_mem: int | None = None) 
 
 
 def test_auto_below_one_layer_chooses_cpu_and_says_why(vk_python, default_gguf):
-    res = vk_cli(
-        vk_python,
-        "chat",
-        default_gguf,
-        "-p",
-        PROMPT,
-        "--max-tokens",
-        "2",
-        "--json",
-        *GREEDY,
-        "--gpu-layers",
-        "auto",
-        "--gpu-device",
-        "0",
-        "--gpu-mem",
-        "1M",
-        env=LAVAPIPE,
-    )
+    res = vk_chat(vk_python, default_gguf, "--gpu-layers", "auto", "--gpu-device", "0", "--gpu-mem", "1M")
     rep = chat_json(res)["gpu"]
     assert rep["n_gpu_layers"] == 0 and rep["allocated"]["device_bytes"] == 0
     assert "one layer needs" in rep["plan"]["reason"] and "(--gpu-mem)" in rep["plan"]["reason"]
@@ -205,20 +162,7 @@ def test_auto_below_one_layer_chooses_cpu_and_says_why(vk_python, default_gguf):
 
 
 def test_auto_never_picks_a_software_device(vk_python, default_gguf):
-    res = vk_cli(
-        vk_python,
-        "chat",
-        default_gguf,
-        "-p",
-        PROMPT,
-        "--max-tokens",
-        "2",
-        "--json",
-        *GREEDY,
-        "--gpu-layers",
-        "auto",
-        env=LAVAPIPE,
-    )
+    res = vk_chat(vk_python, default_gguf, "--gpu-layers", "auto")
     rep = chat_json(res)["gpu"]
     assert rep["n_gpu_layers"] == 0 and rep["allocated"]["device_bytes"] == 0
     assert "software: no speed-up expected" in rep["plan"]["reason"] and "--gpu-device" in rep["plan"]["reason"]
@@ -270,7 +214,7 @@ def _cpu_fallback(res: CliResult, expect: str) -> dict:
 def test_no_device_warns_and_runs_on_cpu(vk_python, default_gguf):
     # the Vulkan build with lavapipe hidden: no device at all
     _cpu_fallback(
-        vk_cli(vk_python, "chat", default_gguf, "-p", PROMPT, "--max-tokens", "2", "--json", *GREEDY, "--gpu-layers", "8"),
+        vk_chat(vk_python, default_gguf, "--gpu-layers", "8", env={}),
         "no GPU device",
     )
     # the CPU-only wheel: same path
@@ -281,22 +225,8 @@ def test_no_device_warns_and_runs_on_cpu(vk_python, default_gguf):
 
 def test_device_that_fails_to_allocate_falls_back_to_cpu(vk_python, default_gguf):
     # A device whose buffers may hold at most 4 KiB: llama.cpp cannot place a single weight on it.
-    res = vk_cli(
-        vk_python,
-        "chat",
-        default_gguf,
-        "-p",
-        PROMPT,
-        "--max-tokens",
-        "2",
-        "--json",
-        *GREEDY,
-        "--gpu-layers",
-        "all",
-        "--gpu-device",
-        "0",
-        env={**LAVAPIPE, "GGML_VK_FORCE_MAX_BUFFER_SIZE": "4096"},
-    )
+    small = {**LAVAPIPE, "GGML_VK_FORCE_MAX_BUFFER_SIZE": "4096"}
+    res = vk_chat(vk_python, default_gguf, "--gpu-layers", "all", "--gpu-device", "0", env=small)
     out = _cpu_fallback(res, "GPU offload to Vulkan0")
     assert "fallback" in out["gpu"]["plan"]["reason"]
 
@@ -306,22 +236,8 @@ def test_device_lost_during_load_falls_back_to_cpu(vk_python, default_gguf):
     # context's KV cache for them (10 blocks x 12 MiB at ctx 16384, one 120 MiB buffer) is refused:
     # the load dies halfway, with the model already on the device, as when a device is lost mid-load.
     args = [a if a != "512" else "16384" for a in GREEDY]
-    res = vk_cli(
-        vk_python,
-        "chat",
-        default_gguf,
-        "-p",
-        PROMPT,
-        "--max-tokens",
-        "2",
-        "--json",
-        *args,
-        "--gpu-layers",
-        "11",
-        "--gpu-device",
-        "0",
-        env={**LAVAPIPE, "GGML_VK_FORCE_MAX_BUFFER_SIZE": str(80 << 20)},
-    )
+    small = {**LAVAPIPE, "GGML_VK_FORCE_MAX_BUFFER_SIZE": str(80 << 20)}
+    res = vk_chat(vk_python, default_gguf, "--gpu-layers", "11", "--gpu-device", "0", greedy=args, env=small)
     out = _cpu_fallback(res, "GPU offload to Vulkan0")
     w = warnings(res)[0]
     assert f"buffer of size {10 * 2 * 192 * 16384 * 2}" in w and "after the weights were placed on Vulkan0" in w, w
