@@ -516,6 +516,11 @@ def main() -> int:
         sys.exit(f"error: factor {max(factors)} needs --max-factor {max(factors)} (its F16 is large)")
     only = [j for j in JOBS if j in a.only.split(",")]
     b = Bench(a)
+    # checked before hours of other rows, not when the chat row comes (it was an error row at every F once)
+    need = [t for job, t in (("chat", "llama-completion"), ("serve", "llama-server")) if job in only]
+    if missing := [t for t in need if not (b.tools / t).is_file()]:
+        shutil.rmtree(b.work, ignore_errors=True)
+        sys.exit(f"error: {', '.join(missing)} not built: scripts/build_llama_tools.sh llama-completion llama-server")
     b.sizes, b.recipes = {}, {}
     steps = {
         "function": job_function,
