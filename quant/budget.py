@@ -302,9 +302,8 @@ def calibrated_choice(
     if len(results) > cached:
         sensitivity.save_results(key, results)
     # picks of the last round that no round measured take the nearest measured gain of their group (gain_lookup)
-    borrowed = sorted(
-        {(g, choice[m.name]) for g, ms in groups.items() for m in ms if choice and (g, choice[m.name]) not in results}
-    )
+    picked = choice or {}
+    unmeasured = {g: sorted({picked[m.name] for m in ms} - {t for gg, t in results if gg == g}) for g, ms in groups.items()}
     info = {
         "probes_measured": len(results) - cached,
         "probes_cached": cached,
@@ -314,7 +313,7 @@ def calibrated_choice(
         "tokens": sensitivity.PROBE_CHUNKS * sensitivity.PROBE_CTX,
         "text": calibration_text().label,
         "text_sha256": calibration_text().sha256,
-        "borrowed": {g: [t for gg, t in borrowed if gg == g] for g in sorted({g for g, _ in borrowed})},
+        "borrowed": {g: ts for g, ts in sorted(unmeasured.items()) if ts},
         "groups": {
             g: {
                 t: {"kld": r.kld, "kld_err": r.kld_err, "error": r.error, "gain": r.gain}
