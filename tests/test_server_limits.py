@@ -17,18 +17,9 @@ import pytest
 
 from support.helpers import DEFAULT_NAME, register_default
 from support.serve_proc import start_serve, stop_process
+from support.tool_schemas import function_tool
 
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
+ADD = function_tool("add", {"a": {"type": "integer"}, "b": {"type": "integer"}})
 HI = [{"role": "user", "content": "Hi"}]
 
 

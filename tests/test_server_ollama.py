@@ -15,21 +15,12 @@ import pytest
 
 from support.helpers import DEFAULT_NAME, register_default
 from support.serve_proc import start_serve, stop_process
+from support.tool_schemas import function_tool
 
 TAGGED = DEFAULT_NAME + ":latest"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 40}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = function_tool(
+    "get_weather", {"city": {"type": "string", "maxLength": 40}}, description="Get the current weather in a city", closed=True
+)
 
 
 @pytest.fixture(scope="module")

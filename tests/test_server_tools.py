@@ -26,37 +26,16 @@ import pytest
 
 from support.helpers import DEFAULT_NAME, register_default
 from support.serve_proc import start_serve, stop_process
+from support.tool_schemas import function_tool
 
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "maxLength": 40},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city", "unit"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two integers",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                "required": ["a", "b"],
-                "additionalProperties": False,
-            },
-        },
-    },
+    function_tool(
+        "get_weather",
+        {"city": {"type": "string", "maxLength": 40}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        description="Get the current weather in a city",
+        closed=True,
+    ),
+    function_tool("add", {"a": {"type": "integer"}, "b": {"type": "integer"}}, description="Add two integers", closed=True),
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]

@@ -10,19 +10,9 @@ import json
 import pytest
 
 from edgellm.serve import tools
+from support.tool_schemas import function_tool
 
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
+ADD = function_tool("add", {"a": {"type": "integer"}, "b": {"type": "integer"}}, description="Add two integers")
 
 # The tool part of Qwen 2.5's template, as it ships (trimmed to what renders tools and calls).
 QWEN = """{%- if tools %}<|im_start|>system
