@@ -27,6 +27,11 @@ def _run(env: dict, *args, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run(cli_argv(*args), env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _eval_args(base: str, levels: list[str], text: list, ctx: int, chunks: int, *more) -> list:
+    """`eval BASE` of `levels` on `text` (`--text FILE` or `--corpus NAME`), in JSON with no progress bar."""
+    return ["eval", base, "--levels", ",".join(levels), *text, "--ctx", ctx, "--chunks", chunks, *more, "--json", "--no-progress"]
+
+
 @pytest.fixture(scope="module")
 def smol_env(tmp_path_factory, default_gguf) -> dict:
     home = tmp_path_factory.mktemp("eval-home")
@@ -43,23 +48,7 @@ def smol_eval(smol_env, wikitext, tmp_path_factory):
     assert conv.returncode == 0, conv.stderr
     base = json.loads(conv.stdout)["name"]
     plot = out / "quality.png"
-    proc = _run(
-        smol_env,
-        "eval",
-        base,
-        "--levels",
-        ",".join(LEVELS),
-        "--text",
-        wikitext,
-        "--ctx",
-        CTX,
-        "--chunks",
-        CHUNKS,
-        "--plot",
-        plot,
-        "--json",
-        "--no-progress",
-    )
+    proc = _run(smol_env, *_eval_args(base, LEVELS, ["--text", wikitext], CTX, CHUNKS, "--plot", plot))
     assert proc.returncode == 0, proc.stderr
     return {"report": json.loads(proc.stdout), "stderr": proc.stderr, "plot": plot, "base_path": json.loads(conv.stdout)["path"]}
 
@@ -145,21 +134,7 @@ def test_eval_report_on_the_default_model(smol_eval, smol_env):
 def test_eval_reuses_quantized_levels_and_base_logprobs(smol_eval, smol_env, wikitext):
     r = smol_eval["report"]
     before = {m["name"] for m in json.loads(_run(smol_env, "models", "list", "--local", "--json").stdout)["models"]}
-    proc = _run(
-        smol_env,
-        "eval",
-        r["base"],
-        "--levels",
-        "q8_0",
-        "--text",
-        wikitext,
-        "--ctx",
-        CTX,
-        "--chunks",
-        CHUNKS,
-        "--json",
-        "--no-progress",
-    )
+    proc = _run(smol_env, *_eval_args(r["base"], ["q8_0"], ["--text", wikitext], CTX, CHUNKS))
     assert proc.returncode == 0, proc.stderr
     after = {m["name"] for m in json.loads(_run(smol_env, "models", "list", "--local", "--json").stdout)["models"]}
     assert before == after  # nothing quantized again
@@ -215,20 +190,7 @@ def test_recommend_without_results_is_one_line_error(cli):
 def test_float_base_orders_levels_by_precision(cli, tmp_path):
     base = write_tiny_llama(tmp_path / "tiny-f32.gguf", dtype="f32", peaked=True, tokenizer="gpt2", seed=1)
     assert cli("import", base, "--name", "tiny-f32", "--json").exit_code == 0
-    res = cli(
-        "eval",
-        "tiny-f32",
-        "--levels",
-        ",".join(LEVELS),
-        "--corpus",
-        "python-docs",
-        "--ctx",
-        "256",
-        "--chunks",
-        "8",
-        "--json",
-        "--no-progress",
-    )
+    res = cli(*_eval_args("tiny-f32", LEVELS, ["--corpus", "python-docs"], 256, 8))
     assert res.exit_code == 0, res
     d = res.json()
     kld = {lv["level"]: lv["kld_mean"] for lv in d["levels"]}
@@ -268,20 +230,7 @@ def test_plot_needs_png_suffix_and_base_lineage_from_name(tmp_path):
     from edgellm.models.resolve import Resolved
     from quant.evaluate import lineage_warning, write_plot
 
-    rep = eval_report(
-        [],
-        base="b",
-        base_path="b",
-        base_bpw=16,
-        base_ppl=10,
-        base_ppl_err=1,
-        base_tokens_per_second=1,
-        corpus="c",
-        ctx=128,
-        chunks=2,
-        machine="m",
-        created=0,
-    )
+    rep = eval_report([])  # refused by its suffix before any figure is read
     with pytest.raises(UsageError):
         write_plot(rep, tmp_path / "x.jpg")
 
