@@ -274,17 +274,21 @@ def test_hostile_catalog_entries_are_refused(entry, expect, cli, tmp_path, monke
         assert expect in res.stderr and "catalog" in res.stderr, res
 
 
+# What a tampered manifest is refused with, by the field tampered: a name fails as a name, a file path as a path.
+MANIFEST_REFUSAL = {"name": "invalid model name", "path": "unsafe"}
+
+
 @pytest.mark.parametrize(
-    "field,value,expect",
+    "field,value",
     [
-        ("name", "../escape", "invalid model name"),
-        ("name", "nul\x00byte", "invalid model name"),
-        ("path", "/etc/passwd", "unsafe"),
-        ("path", "../../outside.gguf", "unsafe"),
-        ("path", "m/" + "y" * 300 + ".gguf", "unsafe"),
+        ("name", "../escape"),
+        ("name", "nul\x00byte"),
+        ("path", "/etc/passwd"),
+        ("path", "../../outside.gguf"),
+        ("path", "m/" + "y" * 300 + ".gguf"),
     ],
 )
-def test_hostile_bundle_manifests_are_refused(field, value, expect, tiny_f16, cli, tmp_path, monkeypatch):
+def test_hostile_bundle_manifests_are_refused(field, value, tiny_f16, cli, tmp_path, monkeypatch):
     assert cli("import", tiny_f16, "--name", "tiny-f16").exit_code == 0
     bundle = tmp_path / "bundle"
     assert cli("export", "tiny-f16", "--to", bundle).exit_code == 0
@@ -293,7 +297,7 @@ def test_hostile_bundle_manifests_are_refused(field, value, expect, tiny_f16, cl
     monkeypatch.setenv("EDGELLM_HOME", str(fresh))
     res = cli("import", bundle)
     assert_one_line_error(res)
-    assert expect in res.stderr, res
+    assert MANIFEST_REFUSAL[field] in res.stderr, res
     assert listed(cli) == [] and not list(fresh.rglob("*.gguf"))
 
 
