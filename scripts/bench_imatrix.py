@@ -70,6 +70,20 @@ def edgellm(env: dict, *args: str, timeout: float = 7200):
     return json.loads(out) if "--json" in args else out
 
 
+def quantize(env: dict, base: str, t: str, *args) -> list[dict]:
+    """`edgellm quantize BASE ARGS` on `t` threads: the JSON record of each file it made."""
+    return edgellm(env, "quantize", base, *args, "--threads", t, "--json", "--no-progress")
+
+
+def report(fig: dict, args) -> int:
+    """The figures on stdout, and in --json's file when given."""
+    text = json.dumps(fig, indent=1, default=str)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    return 0
+
+
 def sha(p: Path | str) -> str:
     h = hashlib.sha256()
     with open(p, "rb") as fh:
@@ -120,7 +134,7 @@ def recipe_speed(env: dict, base: str, f16_path: str, recipe: str, tools: Path, 
         for which in [0, 1] if i % 2 == 0 else [1, 0]:
             t0 = time.perf_counter()
             if which == 0:
-                r = edgellm(env, "quantize", base, "--recipe", recipe, "--threads", t, "--force", "--no-progress", "--json")[0]
+                r = quantize(env, base, t, "--recipe", recipe, "--force")[0]
                 mine_s.append(time.perf_counter() - t0)
                 mine_call.append(r["quantize_seconds"])
                 mine_job.append(r["seconds"])
@@ -214,9 +228,7 @@ def gridless_figures(env: dict, q4_1_path: str, factor: int, tools: Path, work: 
 
         th = threading.Thread(target=sample, daemon=True)
         th.start()
-        r = edgellm(
-            env, "quantize", name, "--budget", str(size), "--imatrix", im, "--threads", t, "--json", "--no-progress", "--force"
-        )[0]
+        r = quantize(env, name, t, "--budget", str(size), "--imatrix", im, "--force")[0]
         stop.set()
         th.join()
         extra = max(0, peak[0] - before - r["size_bytes"])
@@ -294,30 +306,12 @@ def main() -> int:
     if args.gridless:
         q4_1 = pulled["path"]  # the Q4_1 file: make_wide_model.py reads each block's step from it
         fig["gridless"] = {f"x{f}": gridless_figures(env, q4_1, f, tools, work, args) for f in args.gridless}
-        print(json.dumps(fig, indent=1, default=str))
-        if args.json:
-            args.json.write_text(json.dumps(fig, indent=1, default=str))
-        return 0
+        return report(fig, args)
     if args.only_speed:
-        size = edgellm(env, "quantize", base, "-l", "q4_k_m", "--threads", t, "--json", "--no-progress")[0]["size_bytes"]
-        r = edgellm(
-            env,
-            "quantize",
-            base,
-            "--budget",
-            str(size),
-            "--exclude-types",
-            "q4_1,q5_1",
-            "--threads",
-            t,
-            "--json",
-            "--no-progress",
-        )[0]
+        size = quantize(env, base, t, "-l", "q4_k_m")[0]["size_bytes"]
+        r = quantize(env, base, t, "--budget", str(size), "--exclude-types", "q4_1,q5_1")[0]
         fig["recipe_speed"] = recipe_speed(env, base, f16_path, r["recipe_file"], tools, work, args)
-        print(json.dumps(fig, indent=1, default=str))
-        if args.json:
-            args.json.write_text(json.dumps(fig, indent=1, default=str))
-        return 0
+        return report(fig, args)
 
     # 1. the matrix, both ways
     im_args = ["--chunks", str(args.imatrix_chunks)] if args.imatrix_chunks else []
@@ -359,27 +353,9 @@ def main() -> int:
 
     # 2 + 3. stock vs imatrix levels; identity with llama-quantize --imatrix
     levels = sorted(set(IMATRIX_LEVELS + BUDGET_LEVELS))
-    stock = {
-        r["level"]: r
-        for r in edgellm(
-            env, "quantize", base, *sum((["-l", lv] for lv in levels), []), "--threads", t, "--json", "--no-progress"
-        )
-    }
-    withm = {
-        r["level"]: r
-        for r in edgellm(
-            env,
-            "quantize",
-            base,
-            *sum((["-l", lv] for lv in levels), []),
-            "--imatrix",
-            imat,
-            "--threads",
-            t,
-            "--json",
-            "--no-progress",
-        )
-    }
+    level_args = sum((["-l", lv] for lv in levels), [])
+    stock = {r["level"]: r for r in quantize(env, base, t, *level_args)}
+    withm = {r["level"]: r for r in quantize(env, base, t, *level_args, "--imatrix", imat)}
     fig["identical_to_llama_quantize"] = {}
     for lv in levels:
         ref = work / f"ref-{lv}.gguf"
@@ -391,21 +367,8 @@ def main() -> int:
     for lv in BUDGET_LEVELS:
         size = stock[lv]["size_bytes"]
         for excl in ("", "q4_1,q5_1"):  # q5_1's grid holds q4_1's: both go for the fair figure
-            r = edgellm(
-                env,
-                "quantize",
-                base,
-                "--budget",
-                str(size),
-                "--imatrix",
-                imat,
-                "--threads",
-                t,
-                "--json",
-                "--no-progress",
-                "--force",
-                *(["--exclude-types", excl] if excl else []),
-            )[0]
+            exclude = ["--exclude-types", excl] if excl else []
+            r = quantize(env, base, t, "--budget", str(size), "--imatrix", imat, "--force", *exclude)[0]
             # the two runs share a name (budget-<bytes>): keep the first under another name by evaluating it now
             budgets[(lv, excl)] = {
                 "name": r["name"],
@@ -436,11 +399,7 @@ def main() -> int:
 
     # 5. --recipe speed vs llama-quantize --tensor-type-file (same types, same threads, no imatrix on either side)
     fig["recipe_speed"] = recipe_speed(env, base, f16_path, budgets[("q4_k_m", "q4_1,q5_1")]["recipe_file"], tools, work, args)
-
-    print(json.dumps(fig, indent=1, default=str))
-    if args.json:
-        args.json.write_text(json.dumps(fig, indent=1, default=str))
-    return 0
+    return report(fig, args)
 
 
 if __name__ == "__main__":
