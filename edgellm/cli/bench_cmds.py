@@ -59,22 +59,18 @@ CSV_FIELDS = [
 @click.option("--pp", type=int, default=512, show_default=True, help="Prompt tokens for the prompt-processing test.")
 @click.option("--tg", type=int, default=128, show_default=True, help="Tokens for the generation test (0: skip it).")
 @click.option("-r", "--repetitions", type=int, default=5, show_default=True, help="Repetitions per test.")
-@click.option("--threads", type=int, default=None, help="CPU threads (default: physical cores).")
-@click.option(
-    "--ctx", "n_ctx", type=int, default=None, help="Context size (default: each test its own token count, as llama-bench)."
-)
+@click.option("--threads", type=int, help="CPU threads (default: physical cores).")
+@click.option("--ctx", "n_ctx", type=int, help="Context size (default: each test its own token count, as llama-bench).")
 @click.option("--no-mmap", is_flag=True, help="Read the weights into private memory instead of mapping the file.")
 @click.option("--gpu-layers", default="0", show_default=True, help="Layers to offload: N, all, auto (what fits) or 0.")
-@click.option("--gpu-device", default=None, help="GPU device index or name (see `edgellm doctor`); needed for a software device.")
-@click.option(
-    "--gpu-mem", default=None, metavar="SIZE", help=f"Most memory to use on the device, e.g. 512MB or 4GiB ({SIZE_HELP})."
-)
+@click.option("--gpu-device", help="GPU device index or name (see `edgellm doctor`); needed for a software device.")
+@click.option("--gpu-mem", metavar="SIZE", help=f"Most memory to use on the device, e.g. 512MB or 4GiB ({SIZE_HELP}).")
 @click.option("--mlock", is_flag=True, help="Lock the weights in RAM.")
 @click.option("--json", "fmt", flag_value="json", help="JSON rows (llama-bench's field names).")
 @click.option("--csv", "fmt", flag_value="csv", help="CSV rows.")
 @click.option("--md", "fmt", flag_value="md", help="A Markdown table.")
 @click.option("--compare-llama-bench", is_flag=True, help="Also run llama-bench on the same files and print the ratio.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write a PNG of tokens/s per level.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of tokens/s per level.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @rpc_options
 def bench_cmd(

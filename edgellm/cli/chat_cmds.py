@@ -63,16 +63,14 @@ def _show_plan(plan) -> None:
 @click.option("--top-p", type=float, default=0.95, show_default=True)
 @click.option("--min-p", type=float, default=0.05, show_default=True)
 @click.option("--repeat-penalty", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None, help="Same seed and settings give the same reply.")
+@click.option("--seed", type=int, help="Same seed and settings give the same reply.")
 @click.option("--max-tokens", type=int, default=512, show_default=True, help="Most tokens per reply.")
 @click.option("--stop", multiple=True, help="Stop the reply at this text (repeatable).")
-@click.option("--threads", type=int, default=None, help="CPU threads (default: physical cores).")
+@click.option("--threads", type=int, help="CPU threads (default: physical cores).")
 @click.option("--ctx", "n_ctx", type=int, default=DEFAULT_CTX, show_default=True, help="Context size in tokens.")
 @click.option("--gpu-layers", default="0", show_default=True, help="Layers to offload: N, all, auto (what fits) or 0.")
-@click.option("--gpu-device", default=None, help="GPU device index or name (see `edgellm doctor`); needed for a software device.")
-@click.option(
-    "--gpu-mem", default=None, metavar="SIZE", help=f"Most memory to use on the device, e.g. 512MB or 4GiB ({SIZE_HELP})."
-)
+@click.option("--gpu-device", help="GPU device index or name (see `edgellm doctor`); needed for a software device.")
+@click.option("--gpu-mem", metavar="SIZE", help=f"Most memory to use on the device, e.g. 512MB or 4GiB ({SIZE_HELP}).")
 @click.option(
     "--kv-type",
     type=click.Choice(["f16", "q8_0", "q4_0"]),

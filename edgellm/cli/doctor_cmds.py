@@ -17,7 +17,7 @@ from edgellm.models.resolve import resolve
 
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--model", "model_ref", default=None, help="Model for the self-test (default: the default model, if pulled).")
+@click.option("--model", "model_ref", help="Model for the self-test (default: the default model, if pulled).")
 @click.option("--no-self-test", is_flag=True, help="Skip the subprocess self-test.")
 def doctor_cmd(as_json: bool, model_ref, no_self_test: bool) -> None:
     """Versions, CPU features vs the build, GPU backends, RAM, disk, and a self-test

@@ -16,11 +16,10 @@ from edgellm.models.resolve import resolve
 @click.argument("texts", nargs=-1, required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print {model, pooling, prompt_tokens, embeddings: [[...], ...]} as JSON.")
 @click.option("--ctx", "n_ctx", type=click.IntRange(8, 1 << 20), default=1024, show_default=True, help="Most tokens per text.")
-@click.option("--threads", "n_threads", type=click.IntRange(1, 1024), default=None, help="CPU threads [default: physical cores].")
+@click.option("--threads", "n_threads", type=click.IntRange(1, 1024), help="CPU threads [default: physical cores].")
 @click.option(
     "--pooling",
     type=click.Choice([p for p in POOLING.values() if p not in ("none", "rank")]),
-    default=None,
     help="Override the pooling the model's metadata names [default: its own, else mean].",
 )
 def embed_cmd(model, texts, as_json, n_ctx, n_threads, pooling) -> None:

@@ -16,22 +16,18 @@ from edgellm.models.resolve import resolve
 def _text_options(f):
     for opt in reversed(
         [
-            click.option("--text", "text", type=click.Path(path_type=Path), default=None, help="A UTF-8 text file to score."),
+            click.option("--text", "text", type=click.Path(path_type=Path), help="A UTF-8 text file to score."),
             click.option(
                 "--corpus",
-                default=None,
                 help="A named corpus: python-docs (built in: Python's own doc topics) or wikitext-2 "
                 "(not shipped; ../shared/data/wikitext-2-raw or $EDGELLM_CORPUS_DIR).",
             ),
             click.option("--ctx", type=int, default=512, show_default=True, help="Tokens per chunk (llama-perplexity's -c)."),
-            click.option("--chunks", type=int, default=None, help="Score only the first N chunks (default: all)."),
+            click.option("--chunks", type=int, help="Score only the first N chunks (default: all)."),
             click.option(
-                "--batch",
-                type=int,
-                default=None,
-                help="Tokens per decode (default 2048: 4 chunks of 512 at once, like llama-perplexity).",
+                "--batch", type=int, help="Tokens per decode (default 2048: 4 chunks of 512 at once, like llama-perplexity)."
             ),
-            click.option("--threads", type=int, default=None, help="Threads (default: physical cores)."),
+            click.option("--threads", type=int, help="Threads (default: physical cores)."),
             click.option("--json", "as_json", is_flag=True, help="Machine-readable output."),
             click.option("--no-progress", is_flag=True, help="No progress bar."),
         ]
@@ -92,9 +88,7 @@ def ppl_cmd(model, text, corpus, ctx, chunks, batch, threads, as_json, no_progre
     help="Comma-separated levels (quantized from BASE when the store lacks them) or model names/paths.",
 )
 @_text_options
-@click.option(
-    "--plot", "plot", type=click.Path(path_type=Path), default=None, help="Write a PNG of size vs mean KLD and vs ΔPPL."
-)
+@click.option("--plot", "plot", type=click.Path(path_type=Path), help="Write a PNG of size vs mean KLD and vs ΔPPL.")
 @rpc_options
 def eval_cmd(
     base, levels, text, corpus, ctx, chunks, batch, threads, as_json, no_progress, plot, rpc=None, rpc_split=None
@@ -154,8 +148,8 @@ def render_table(report) -> str:
 
 
 @click.command("recommend")
-@click.option("--ram", type=float, default=None, help="RAM to fit in, GB (default: this machine's available RAM).")
-@click.option("--ctx", type=int, default=None, help="Context the model must hold (default 4096).")
+@click.option("--ram", type=float, help="RAM to fit in, GB (default: this machine's available RAM).")
+@click.option("--ctx", type=int, help="Context the model must hold (default 4096).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def recommend_cmd(ram, ctx, as_json) -> None:
     """The best measured level that fits this machine, from saved `edgellm eval` results."""

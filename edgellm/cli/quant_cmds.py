@@ -26,20 +26,17 @@ from edgellm.units import SIZE_HELP
     "-o",
     "--output",
     type=click.Path(path_type=Path),
-    default=None,
     help="Output file (one level) or folder. Default: the store, named <base>-<level>.",
 )
-@click.option("--threads", type=int, default=None, help="Threads for llama.cpp in all (default: physical cores).")
+@click.option("--threads", type=int, help="Threads for llama.cpp in all (default: physical cores).")
 @click.option(
     "--jobs",
     type=int,
-    default=None,
     help="Levels quantized side by side, sharing --threads (default: 2 when RAM allows; 1: one after another).",
 )
 @click.option("--allow-requantize", is_flag=True, help="Allow an already-quantized input (the errors compound).")
 @click.option(
     "--imatrix",
-    default=None,
     metavar="NAME|FILE|auto",
     help="Importance matrix: a stored one (`edgellm imatrix`), an imatrix GGUF file, or auto (this model's "
     "newest, else computed now on the shipped calibration text). Needed by iq1_*, iq2_*, iq3_xxs, "
@@ -47,7 +44,6 @@ from edgellm.units import SIZE_HELP
 )
 @click.option(
     "--budget",
-    default=None,
     metavar="SIZE",
     help=f"Instead of --level: the best file within SIZE (100MB, 95MiB, 4.5bpw, or ram; {SIZE_HELP}), one type per tensor "
     "chosen from measured sensitivity on the calibration text. Uses --imatrix (default auto).",
@@ -57,7 +53,6 @@ from edgellm.units import SIZE_HELP
     "--recipe",
     "recipe_file",
     type=click.Path(path_type=Path),
-    default=None,
     help="Instead of --level: apply a saved --budget recipe (JSON) to a model of the same architecture.",
 )
 @click.option("--force", is_flag=True, help="Replace an existing output of the same name.")
@@ -156,8 +151,8 @@ def quantize_cmd(
 @click.command("convert")
 @click.argument("model")
 @click.option("--to", "to", default="f16", show_default=True, help="Float type to write: f16, bf16 or f32.")
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Output file or folder (default: the store).")
-@click.option("--name", default=None, help="Store name (default: the input's name with its level swapped, e.g. ...-f16).")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Output file or folder (default: the store).")
+@click.option("--name", help="Store name (default: the input's name with its level swapped, e.g. ...-f16).")
 @click.option("--force", is_flag=True, help="Replace an existing output of the same name.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
@@ -195,13 +190,12 @@ def convert_cmd(model, to, output, name, force, as_json, no_progress) -> None:
     "--text",
     "text",
     type=click.Path(path_type=Path),
-    default=None,
     help="Calibration text (default: the text shipped with edgellm: prose, code and dialogue).",
 )
 @click.option("--ctx", type=int, default=512, show_default=True, help="Tokens per chunk (llama-imatrix's -c).")
-@click.option("--chunks", type=int, default=None, help="Chunks to evaluate (default: all the text holds).")
-@click.option("--name", default=None, help="Store name (default: <model>-imatrix).")
-@click.option("--threads", type=int, default=None, help="Threads for llama.cpp (default: physical cores).")
+@click.option("--chunks", type=int, help="Chunks to evaluate (default: all the text holds).")
+@click.option("--name", help="Store name (default: <model>-imatrix).")
+@click.option("--threads", type=int, help="Threads for llama.cpp (default: physical cores).")
 @click.option("--force", is_flag=True, help="Replace a stored matrix of the same name.")
 @click.option("--list", "list_", is_flag=True, help="List the stored importance matrices.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

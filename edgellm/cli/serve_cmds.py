@@ -23,9 +23,7 @@ from edgellm.serve.app import ServerConfig, bind_warning, describe, serve
 @click.option(
     "--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free port, printed at start)."
 )
-@click.option(
-    "--api-key", default=None, envvar="EDGELLM_API_KEY", help="Require 'Authorization: Bearer KEY' (env: EDGELLM_API_KEY)."
-)
+@click.option("--api-key", envvar="EDGELLM_API_KEY", help="Require 'Authorization: Bearer KEY' (env: EDGELLM_API_KEY).")
 @click.option(
     "--max-loaded",
     default=1,
@@ -44,19 +42,15 @@ from edgellm.serve.app import ServerConfig, bind_warning, describe, serve
 @click.option(
     "--ctx",
     "n_ctx",
-    default=None,
     type=click.IntRange(64, 1 << 20),
     help="KV cells per model, split between the --parallel slots (each request gets CTX/parallel) [default: 1024 per slot, at least 4096].",
 )
 @click.option(
     "--parallel",
-    default=None,
     type=click.IntRange(1, 64),
     help="Requests decoded together per model (continuous batching) [default: physical cores, 4 to 8].",
 )
-@click.option(
-    "--threads", "n_threads", default=None, type=click.IntRange(1, 1024), help="CPU threads per model [default: physical cores]."
-)
+@click.option("--threads", "n_threads", type=click.IntRange(1, 1024), help="CPU threads per model [default: physical cores].")
 @click.option("--access-log", is_flag=True, help="Log every request on stderr.")
 @click.option(
     "--draft",

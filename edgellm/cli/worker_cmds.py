@@ -35,16 +35,11 @@ def rpc_options(f: Callable) -> Callable:
     f = click.option(
         "--split",
         "rpc_split",
-        default=None,
         metavar="A,B,...",
         help="With --rpc: layer shares for this machine, then each worker (default: by the memory each offers).",
     )(f)
     f = click.option(
-        "--rpc",
-        "rpc",
-        default=None,
-        metavar="HOST:PORT[,...]",
-        help="Split the model across these `edgellm worker`s (and this machine).",
+        "--rpc", "rpc", metavar="HOST:PORT[,...]", help="Split the model across these `edgellm worker`s (and this machine)."
     )(f)
     return f
 
@@ -106,11 +101,10 @@ def _listen_address(host: str) -> str:
     "needs --allow-network.",
 )
 @click.option("--port", default=50052, show_default=True, type=click.IntRange(1, 65535), help="TCP port.")
-@click.option("--threads", type=click.IntRange(1, 1024), default=None, help="CPU threads (default: physical cores).")
+@click.option("--threads", type=click.IntRange(1, 1024), help="CPU threads (default: physical cores).")
 @click.option(
     "--mem",
     "mem",
-    default=None,
     metavar="SIZE",
     help=f"Memory to offer hosts, e.g. 4GB or 4GiB ({units.SIZE_HELP}; default: the RAM available now).",
 )
@@ -118,7 +112,6 @@ def _listen_address(host: str) -> str:
     "--cache",
     "cache_dir",
     type=click.Path(file_okay=False),
-    default=None,
     help="Keep received weights here, so a host that loads the same model again sends only hashes.",
 )
 @click.option("--allow-network", is_flag=True, help="Allow a non-loopback --host (the protocol has no authentication).")
