@@ -12,30 +12,18 @@ from edgellm.serve.app import ServerConfig, bind_warning, describe, serve
 
 
 # long: the click options are the server's whole configuration, one decorator each; the body is ~50 lines
-@click.command("serve")
+@click.command("serve", context_settings={"show_default": True})  # every default the server has is worth seeing
 @click.argument("model", required=False)
-@click.option(
-    "--host",
-    default="127.0.0.1",
-    show_default=True,
-    help="Address to bind; anything but loopback is reachable from other machines.",
-)
-@click.option(
-    "--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free port, printed at start)."
-)
+@click.option("--host", default="127.0.0.1", help="Address to bind; anything but loopback is reachable from other machines.")
+@click.option("--port", default=8080, type=click.IntRange(0, 65535), help="Port (0: any free port, printed at start).")
 @click.option("--api-key", envvar="EDGELLM_API_KEY", help="Require 'Authorization: Bearer KEY' (env: EDGELLM_API_KEY).")
 @click.option(
-    "--max-loaded",
-    default=1,
-    show_default=True,
-    type=click.IntRange(1, 64),
-    help="Models kept in memory at once (least recently used is unloaded).",
+    "--max-loaded", default=1, type=click.IntRange(1, 64), help="Models kept in memory at once (least recently used is unloaded)."
 )
 @click.option(
     "--queue",
     "queue_size",
     default=16,
-    show_default=True,
     type=click.IntRange(1, 100000),
     help="Requests waiting per model; more get 429 with Retry-After.",
 )
@@ -56,7 +44,6 @@ from edgellm.serve.app import ServerConfig, bind_warning, describe, serve
     "--draft",
     type=click.Choice(["off", "ngram"]),
     default="off",
-    show_default=True,
     help='Speculative decoding for requests without a "draft" field (n-gram drafts; lossless, drafts only where it pays).',
 )
 @rpc_options
