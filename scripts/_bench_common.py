@@ -7,12 +7,14 @@ from /proc/<pid>/task/*/children) and the bytes allocated under `dirs`
 `Sampler(pid, dirs)` does the same around a process started elsewhere (a
 server). Linux only: /proc is the point. `chat_cmd(...)` is the command line
 of one greedy `edgellm chat -p`, the run the chat benchmarks time;
-`mean_sd`, `paired_ratios`, `ratio_cells` and `verdict` are the figures and
-the report of the speed comparisons that alternate two sides round by round.
+`speed_parser`, `mean_sd`, `paired_ratios`, `ratio_cells` and `verdict` are
+the options, the figures and the report of the speed comparisons that
+alternate two sides round by round.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -127,6 +129,19 @@ def median_of(runs: list[dict]) -> dict:
     """The median of every numeric figure over runs (a figure missing from a run is left out of it)."""
     keys = {k for r in runs for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return {k: statistics.median(r[k] for r in runs if k in r) for k in keys}
+
+
+def speed_parser(doc: str, *, per: str, rounds: int, rounds_help: str | None = None) -> argparse.ArgumentParser:
+    """The options a speed comparison shares with the others (threads, the pp/tg test, `-r` repetitions
+    per `per` call, rounds, levels), so the same command line means the same run in each; it adds its own after."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=512)
+    ap.add_argument("--tg", type=int, default=128)
+    ap.add_argument("-r", "--repetitions", type=int, default=2, help=f"repetitions per {per} call")
+    ap.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
+    ap.add_argument("--levels", default="q4_k_m,q8_0")
+    return ap
 
 
 def mean_sd(xs: list[float]) -> tuple[float, float]:

@@ -17,7 +17,6 @@ Run it on an otherwise idle machine (it says the load average before/after).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -25,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from _bench_common import mean_sd, paired_ratios, ratio_cells, verdict
+from _bench_common import mean_sd, paired_ratios, ratio_cells, speed_parser, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -61,13 +60,7 @@ def bench_rows(py: Path, model: Path, args) -> dict[str, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--pp", type=int, default=512)
-    ap.add_argument("--tg", type=int, default=128)
-    ap.add_argument("-r", "--repetitions", type=int, default=2, help="repetitions per bench call")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--levels", default="q4_k_m,q8_0")
+    ap = speed_parser(__doc__, per="bench", rounds=6)
     ap.add_argument("--host-venv", type=Path, default=ROOT / ".venv")
     ap.add_argument("--portable-venv", type=Path, default=ROOT / ".venv-portable")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")

@@ -16,7 +16,6 @@ robust to a burst of load landing on one call; goal >= 0.97).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
@@ -24,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from _bench_common import mean_sd, paired_ratios, ratio_cells, verdict
+from _bench_common import mean_sd, paired_ratios, ratio_cells, speed_parser, verdict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -70,13 +69,9 @@ def quantized(src: Path, level: str) -> Path:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--pp", type=int, default=512)
-    ap.add_argument("--tg", type=int, default=128)
-    ap.add_argument("-r", "--repetitions", type=int, default=2, help="repetitions per tool call")
-    ap.add_argument("--rounds", type=int, default=10, help="rounds; each runs both tools once per model, alternating first")
-    ap.add_argument("--levels", default="q4_k_m,q8_0")
+    ap = speed_parser(
+        __doc__, per="tool", rounds=10, rounds_help="rounds; each runs both tools once per model, alternating first"
+    )
     ap.add_argument("--source", type=Path, default=None, help="GGUF to requantize (default: the catalog default model)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
