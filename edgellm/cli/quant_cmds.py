@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -94,33 +95,17 @@ def quantize_cmd(
         if budget is not None and recipe_file is not None:
             raise UsageError("give exactly one of --budget SIZE or --recipe FILE")
         with running_job(not no_progress and not as_json) as (bar, token):
+            job: dict[str, Any] = dict(
+                imatrix=imatrix, output=output, threads=threads, force=force, on_progress=bar, cancel=token
+            )
             if recipe_file is not None:
                 from quant.recipe import apply_recipe  # not quant.budget: the search's imports cost ~0.3 s
 
-                r, recipe = apply_recipe(
-                    model,
-                    recipe_file,
-                    imatrix=imatrix,
-                    output=output,
-                    threads=threads,
-                    force=force,
-                    on_progress=bar,
-                    cancel=token,
-                )
+                r, recipe = apply_recipe(model, recipe_file, **job)
             else:
                 from quant.budget import quantize_to_budget  # numpy and the sensitivity probes: only for --budget
 
-                r, recipe = quantize_to_budget(
-                    model,
-                    budget=budget,
-                    exclude=exclude_types.split(","),
-                    imatrix=imatrix,
-                    output=output,
-                    threads=threads,
-                    force=force,
-                    on_progress=bar,
-                    cancel=token,
-                )
+                r, recipe = quantize_to_budget(model, budget=budget, exclude=exclude_types.split(","), **job)
         if as_json:
             emit_json([{**r.to_json(), "search_seconds": recipe.search_seconds, "recipe_file": recipe.file}])
             return
