@@ -92,15 +92,16 @@ def _between(text: str, a: str, b: str) -> str:
     return text[i:j]
 
 
+def _dialogue(system: str, *turns: str) -> list[dict[str, str]]:
+    """A system prompt, then user and assistant turns in alternation (the user's first)."""
+    roles = ("user", "assistant")
+    return [{"role": "system", "content": system}] + [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]
+
+
 def infer_pieces(render, *, name: str = "the model") -> RolePieces:
     """Each role's wrapper, observed from `render(messages, add_generation_prompt)` (the Jinja template)."""
     s = _S
-    conv = [
-        {"role": "system", "content": s["sys"]},
-        {"role": "user", "content": s["u1"]},
-        {"role": "assistant", "content": s["a1"]},
-        {"role": "user", "content": s["u2"]},
-    ]
+    conv = _dialogue(s["sys"], s["u1"], s["a1"], s["u2"])
     try:
         full = render(conv, False)
         with_gen = render(conv, True)
@@ -132,14 +133,7 @@ def infer_pieces(render, *, name: str = "the model") -> RolePieces:
             "cannot be derived from it: write the TEMPLATE by hand"
         ) from None
     # A different conversation, rendered both ways, must agree word for word.
-    check = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi there"},
-        {"role": "assistant", "content": "Hello! How can I help?"},
-        {"role": "user", "content": "Name a colour."},
-        {"role": "assistant", "content": "Blue."},
-        {"role": "user", "content": "Another one?"},
-    ]
+    check = _dialogue("Be brief.", "Hi there", "Hello! How can I help?", "Name a colour.", "Blue.", "Another one?")
     if pieces.render(check) != render(check, True):
         raise UsageError(
             f"the chat template of {name} renders turns differently from one to the next; Ollama's template "
