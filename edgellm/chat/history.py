@@ -18,7 +18,7 @@ import os
 import re
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -47,15 +47,7 @@ class SessionSummary:
     title: str
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "path": str(self.path),
-            "model": self.model,
-            "created": self.created,
-            "updated": self.updated,
-            "messages": self.messages,
-            "title": self.title,
-        }
+        return {**asdict(self), "path": str(self.path)}
 
 
 @dataclass
@@ -71,15 +63,7 @@ class SavedSession:
     torn_tail: bool = False  # the last line was incomplete and ignored
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "path": str(self.path),
-            "model": self.model,
-            "created": self.created,
-            "system": self.system,
-            "messages": self.messages,
-            "torn_tail": self.torn_tail,
-        }
+        return {**asdict(self), "path": str(self.path)}
 
 
 class HistoryWriter:
