@@ -196,6 +196,10 @@ class BaseScreen(Screen):
                 self.app.release_token(token)
         return False, reason
 
+    def run_job(self, what: str, fn: Callable[..., Any], *args: Any, token: CancelToken, **kw: Any) -> tuple[bool, Any]:
+        """`run_guarded` for the screen's job: `fn` reports to the job bar and stops when `token` is cancelled."""
+        return self.run_guarded(what, fn, *args, on_progress=self.progress_to(self.job_progress), cancel=token, token=token, **kw)
+
     def notify_error(self, e: BaseException, title: str = "") -> None:
         self.notify(one_line(e), title=title, severity="error", timeout=8)
 

@@ -101,17 +101,7 @@ class EvaluateScreen(BaseScreen):
     def _eval(self, base: str, levels: list[str], text: Optional[str], chunks: Optional[int], token) -> None:
         # A blank text field means the built-in corpus, as its placeholder says.
         source = dict(text=text) if text else dict(corpus=BUILTIN_CORPUS)
-        ok, out = self.run_guarded(
-            f"evaluate {base}",
-            evaluate,
-            base,
-            levels,
-            chunks=chunks,
-            **source,
-            on_progress=self.progress_to(self.job_progress),
-            cancel=token,
-            token=token,
-        )
+        ok, out = self.run_job(f"evaluate {base}", evaluate, base, levels, chunks=chunks, **source, token=token)
         rec = _recommendation() if ok else None
         self.ui(self._done, out if ok else None, rec, "" if ok else out, token.cancelled)
 

@@ -128,9 +128,7 @@ class ModelsScreen(BaseScreen):
 
     @work(thread=True, group="models-job")
     def _pull(self, ref: str, token) -> None:
-        ok, out = self.run_guarded(
-            f"pull {ref}", pull, ref, on_progress=self.progress_to(self.job_progress), cancel=token, token=token
-        )
+        ok, out = self.run_job(f"pull {ref}", pull, ref, token=token)
         self.ui(self._done, f"pulled {out.name}" if ok else _failed("pull", token), ok, "" if ok or token.cancelled else out)
 
     # -- import ------------------------------------------------------------
@@ -158,15 +156,7 @@ class ModelsScreen(BaseScreen):
 
     @work(thread=True, group="models-job")
     def _import(self, path: str, name, token) -> None:
-        ok, out = self.run_guarded(
-            f"import {Path(path).name}",
-            import_file,
-            path,
-            name=name,
-            on_progress=self.progress_to(self.job_progress),
-            cancel=token,
-            token=token,
-        )
+        ok, out = self.run_job(f"import {Path(path).name}", import_file, path, name=name, token=token)
         self.ui(self._done, f"imported {out.name}" if ok else _failed("import", token), ok, "" if ok or token.cancelled else out)
 
     # -- shared job plumbing -----------------------------------------------
