@@ -173,6 +173,13 @@ def level_for_ftype(ftype: Optional[int]) -> Optional[Level]:
     return _BY_FTYPE.get(ftype) if ftype is not None else None
 
 
+def type_id_block(name: str) -> tuple[int, int]:
+    """ggml's id of a tensor type and its block width ("Q5_0" → (6, 32)): gguf-py's tables, which follow the pinned ggml.h."""
+    c = gguf_constants()
+    t = c.GGMLQuantizationType[name]
+    return int(t), c.GGML_QUANT_SIZES[t][0]
+
+
 def type_bpw(ggml_type: str) -> float:
     """Bits per weight of one ggml tensor type ("Q5_0" → 5.5)."""
     c = gguf_constants()
@@ -194,6 +201,7 @@ __all__ = [
     "parse_level",
     "level_for_ftype",
     "type_bpw",
+    "type_id_block",
     "level_estimate",
     "is_quantized",
     "check_levels",

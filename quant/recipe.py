@@ -22,27 +22,17 @@ from edgellm.gguf.layout import model_matmul_widths
 from edgellm.models.store import Store
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
 from quant._common import BaseInput, open_input
-from quant.levels import is_quantized
+from quant.levels import is_quantized, type_id_block
 from quant.quantize import QuantizeResult, TensorOverrides, quantize
 
 if TYPE_CHECKING:  # annotations only: quant.imatrix loads numpy, which applying a recipe without a matrix skips
     from quant.imatrix import ImatrixChoice
 
 FILE_TYPE = "q4_k_m"  # the file type llama.cpp records; every quantized tensor is overridden anyway
-# ggml_type ids of the pinned ggml.h, and their block widths
+# the types a recipe may name, in the order --budget offers them, as (ggml type id, block width)
 TYPES: dict[str, tuple[int, int]] = {
-    "Q2_K": (10, 256),
-    "Q3_K": (11, 256),
-    "IQ4_XS": (23, 256),
-    "Q4_K": (12, 256),
-    "Q5_K": (13, 256),
-    "Q6_K": (14, 256),
-    "Q4_0": (2, 32),
-    "Q4_1": (3, 32),
-    "Q5_0": (6, 32),
-    "Q5_1": (7, 32),
-    "IQ4_NL": (20, 32),
-    "Q8_0": (8, 32),
+    name: type_id_block(name)
+    for name in ("Q2_K", "Q3_K", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q8_0")
 }
 
 
