@@ -184,6 +184,21 @@ def _register(
     return store.register(rec, replace=plan.replace)
 
 
+def output_fields(rec: ModelRecord, plan: OutputPlan, out: GGUFInfo, sha: str) -> dict[str, Any]:
+    """What a convert or quantize result says of its registered file, under the fields both results name alike."""
+    return {
+        "name": rec.name,
+        "level": out.level,
+        "path": plan.path,
+        "size_bytes": out.size_bytes,
+        "bpw": out.bpw,
+        "tensor_types": out.tensor_types,
+        "parent": rec.parent,
+        "sha256": sha,
+        "record": rec,
+    }
+
+
 def inherited_lineage(resolved: Resolved) -> dict[str, Any]:
     """Lineage facts a derived file must carry on: a base that was itself
     dequantized from a quantized file is not a true full-precision base."""

@@ -29,7 +29,15 @@ from edgellm.gguf.reader import read_gguf, read_layout
 from edgellm.models.resolve import resolve
 from edgellm.models.store import ModelRecord, Store
 from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
-from quant._common import FLOAT_LEVELS, check_writable, inherited_lineage, plan_output, register_output, result_json
+from quant._common import (
+    FLOAT_LEVELS,
+    check_writable,
+    inherited_lineage,
+    output_fields,
+    plan_output,
+    register_output,
+    result_json,
+)
 from quant.levels import parse_level
 
 log = logging.getLogger(__name__)
@@ -176,18 +184,7 @@ def convert(
     extra.update(inherited_lineage(resolved))
     rec = register_output(store, plan, out, sha, resolved=resolved, source="convert", extra=extra)
     return ConvertResult(
-        name=rec.name,
-        level=out.level,
-        path=plan.path,
-        size_bytes=out.size_bytes,
-        bpw=out.bpw,
-        tensor_types=out.tensor_types,
-        source_level=info.level,
-        parent=rec.parent,
-        seconds=time.perf_counter() - t0,
-        sha256=sha,
-        warnings=warnings,
-        record=rec,
+        **output_fields(rec, plan, out, sha), source_level=info.level, seconds=time.perf_counter() - t0, warnings=warnings
     )
 
 

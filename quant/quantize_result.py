@@ -21,7 +21,7 @@ from edgellm.gguf.reader import GGUFInfo, read_gguf
 from edgellm.models.resolve import Resolved
 from edgellm.models.store import ModelRecord, Store
 from edgellm.progress import CancelToken
-from quant._common import inherited_lineage, register_output, result_json
+from quant._common import inherited_lineage, output_fields, register_output, result_json
 from quant._workers import Job, Run
 from quant.levels import QK_K, Level, is_quantized, type_bpw
 
@@ -110,12 +110,7 @@ def finish(
         extra["recipe"] = recipe
     rec = register_output(store, plan, out, sha, resolved=resolved, source="quantize", extra=extra)
     return QuantizeResult(
-        name=rec.name,
-        level=out.level,
-        path=plan.path,
-        size_bytes=out.size_bytes,
-        bpw=out.bpw,
-        tensor_types=out.tensor_types,
+        **output_fields(rec, plan, out, sha),
         fallback_tensors=n_fallback,
         tensor_count=out.tensor_count,
         seconds=time.perf_counter() - job.t0,
@@ -123,11 +118,8 @@ def finish(
         fallbacks=dict(fallback_types),
         fallback_reason=fallback_reason(run, n_fallback, out.tensor_count, lv),
         input_level=info.level,
-        parent=rec.parent,
-        sha256=sha,
         threads=job.threads,
         warnings=list(warnings),
-        record=rec,
         imatrix=extra.get("imatrix"),
         recipe=extra.get("recipe"),
     )
