@@ -78,6 +78,13 @@ def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
+def _ask(c: openai.OpenAI, q: str, max_tokens: int = 24, **kw):
+    """One user message `q` to the default model, greedy: the request most tests here make."""
+    return c.chat.completions.create(
+        model=DEFAULT_NAME, messages=[{"role": "user", "content": q}], max_tokens=max_tokens, temperature=0, **kw
+    )
+
+
 def _raw(url: str, path: str, body: bytes | None = None, key: str | None = KEY) -> tuple[int, dict, dict]:
     req = urllib.request.Request(url + path, data=body, method="POST" if body is not None else "GET")
     req.add_header("Content-Type", "application/json")
@@ -161,14 +168,7 @@ def test_completion_without_model_uses_the_default(client):
 
 
 def test_chat_streaming(client):
-    stream = client.chat.completions.create(
-        model=DEFAULT_NAME,
-        messages=[{"role": "user", "content": "Write one sentence about the sea."}],
-        max_tokens=20,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+    stream = _ask(client, "Write one sentence about the sea.", max_tokens=20, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -196,11 +196,10 @@ def test_json_schema_reply_validates(client):
         "required": ["name", "age"],
         "additionalProperties": False,
     }
-    r = client.chat.completions.create(
-        model=DEFAULT_NAME,
-        messages=[{"role": "user", "content": "Describe a person as JSON with a name and an age."}],
+    r = _ask(
+        client,
+        "Describe a person as JSON with a name and an age.",
         max_tokens=80,
-        temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
     )
     assert r.choices[0].finish_reason == "stop", r
@@ -209,13 +208,7 @@ def test_json_schema_reply_validates(client):
 
 
 def test_json_object_is_json(client):
-    r = client.chat.completions.create(
-        model=DEFAULT_NAME,
-        messages=[{"role": "user", "content": "Say hi"}],
-        max_tokens=6,
-        temperature=0,
-        response_format={"type": "json_object"},
-    )
+    r = _ask(client, "Say hi", max_tokens=6, response_format={"type": "json_object"})
     assert r.choices[0].message.content.lstrip().startswith(("{", "["))
 
 
@@ -438,12 +431,6 @@ def batching(tmp_path_factory, default_gguf):
 
 def _par_client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-def _ask(c: openai.OpenAI, q: str, max_tokens: int = 24, **kw):
-    return c.chat.completions.create(
-        model=DEFAULT_NAME, messages=[{"role": "user", "content": q}], max_tokens=max_tokens, temperature=0, **kw
-    )
 
 
 def _metrics(url: str) -> dict[str, float]:
