@@ -77,6 +77,24 @@ def test_system_screen_lists_devices_and_probes_workers(worker):
     assert any("'nohost' is not HOST:PORT" in m for m in errors_in(notices)), notices
 
 
+async def _open_over(pilot, app, workers: str, key: str):
+    """The screen behind `key`, opened once `workers` are configured on the System screen."""
+    await _configure(pilot, app, workers)
+    await pilot.press(key)
+    await settled(pilot)
+    return app.screen
+
+
+def _chat_over_workers(scr, settings: dict[str, str]) -> None:
+    """Chat's settings as typed, the model split over the workers, and the message box focused."""
+    from textual.widgets import Checkbox, Input
+
+    for key, v in settings.items():
+        scr.query_one(f"#set-{key}", Input).value = v
+    scr.query_one("#set-rpc", Checkbox).value = True
+    scr.query_one("#chat-input", Input).focus()
+
+
 async def _reply(pilot, scr, what: str) -> None:
     """Send the typed message and wait until its reply has finished."""
     sent = len(scr.query(".msg-user"))
@@ -96,15 +114,8 @@ def test_chat_with_gpu_layers_0_over_a_worker_replies_and_shows_the_plan(worker,
     async def run():
         app = make(initial="system")
         async with app.run_test(size=SIZE) as pilot:
-            await _configure(pilot, app, worker.address)
-            await pilot.press("f4")
-            await settled(pilot)
-            scr = app.screen
-            values = {"gpu_layers": "lots", "threads": "1", "ctx": "512", "max_tokens": "8", "temperature": "0"}
-            for key, v in values.items():
-                scr.query_one(f"#set-{key}", Input).value = v
-            scr.query_one("#set-rpc", Checkbox).value = True
-            scr.query_one("#chat-input", Input).focus()
+            scr = await _open_over(pilot, app, worker.address, "f4")
+            _chat_over_workers(scr, {"gpu_layers": "lots", "threads": "1", "ctx": "512", "max_tokens": "8", "temperature": "0"})
             await type_text(pilot, "Hi")
             await pilot.press("enter")  # refused: the GPU-layers field does not parse
             await pilot.pause(0.2)
@@ -142,10 +153,7 @@ def test_bench_with_gpu_layers_and_over_a_worker(worker, default_model):
     async def run():
         app = make(initial="system")
         async with app.run_test(size=SIZE) as pilot:
-            await _configure(pilot, app, worker.address)
-            await pilot.press("f5")
-            await settled(pilot)
-            scr = app.screen
+            scr = await _open_over(pilot, app, worker.address, "f5")
             for id_, v in (("#bench-pp", "16"), ("#bench-tg", "4"), ("#bench-reps", "1"), ("#bench-gpu-layers", "0")):
                 scr.query_one(id_, Input).value = v
             out = []
@@ -183,21 +191,15 @@ def test_a_worker_killed_mid_reply_ends_that_reply_and_the_app_stays_up(default_
     that line within seconds, the worker's probe then says why, and the app still quits cleanly."""
     import time
 
-    from textual.widgets import Checkbox, DataTable, Input
+    from textual.widgets import DataTable
 
     victim = Worker("--mem", "1GiB")
 
     async def run():
         app = make(initial="system")
         async with app.run_test(size=SIZE) as pilot:
-            await _configure(pilot, app, victim.address)
-            await pilot.press("f4")
-            await settled(pilot)
-            scr = app.screen
-            for key, v in {"threads": "1", "ctx": "512", "max_tokens": "400", "temperature": "0"}.items():
-                scr.query_one(f"#set-{key}", Input).value = v
-            scr.query_one("#set-rpc", Checkbox).value = True
-            scr.query_one("#chat-input", Input).focus()
+            scr = await _open_over(pilot, app, victim.address, "f4")
+            _chat_over_workers(scr, {"threads": "1", "ctx": "512", "max_tokens": "400", "temperature": "0"})
             await type_text(pilot, "Count from 1 to 300, separated by commas.")
             await pilot.press("enter")
             await wait_for(pilot, lambda: scr.last_reply, 300, "the reply to stream")
