@@ -335,17 +335,9 @@ class GpuPlan:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "requested": self.requested,
-            "n_gpu_layers": self.n_gpu_layers,
-            "max_layers": self.max_layers,
-            "device": self.device.to_json() if self.device else None,
-            "device_bytes": self.device_bytes,
-            "host_bytes": self.host_bytes,
-            "budget_bytes": self.budget_bytes,
-            "reason": self.reason,
-            "notes": list(self.notes),
-        }
+        d = {k: v for k, v in asdict(self).items() if not k.startswith("_")}  # the _fields are llama.cpp's, not the user's
+        d["device"] = self.device.to_json() if self.device else None
+        return d
 
 
 def parse_size(text: Optional[str]) -> Optional[int]:
