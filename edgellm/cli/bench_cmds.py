@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+from typing import Any
 
 import click
 
@@ -100,32 +101,18 @@ def bench_cmd(
 
     With --rpc: each test runs here and split across the workers, and the network's share of
     the time is reported (with --compare-llama-bench, llama-bench --rpc on the same split)."""
+    tests: dict[str, Any] = dict(
+        pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx, compare_llama_bench=compare_llama_bench
+    )
     if rpc or rpc_split:
-        return _bench_rpc(
-            models,
-            rpc,
-            rpc_split,
-            pp=pp,
-            tg=tg,
-            repetitions=repetitions,
-            threads=threads,
-            n_ctx=n_ctx,
-            compare_llama_bench=compare_llama_bench,
-            fmt=fmt,
-            no_progress=no_progress,
-        )
+        return _bench_rpc(models, rpc, rpc_split, fmt=fmt, no_progress=no_progress, **tests)
 
     with cancellable() as cancel:
         rows = bench(
             list(models),
-            pp=pp,
-            tg=tg,
-            repetitions=repetitions,
-            threads=threads,
-            n_ctx=n_ctx,
+            **tests,
             use_mmap=not no_mmap,
             mlock=mlock,
-            compare_llama_bench=compare_llama_bench,
             n_gpu_layers=gpu_layers,
             gpu_device=gpu_device,
             gpu_mem=parse_size(gpu_mem),
