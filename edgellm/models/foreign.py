@@ -32,7 +32,7 @@ from typing import Any, Optional
 from edgellm.errors import IntegrityError, ModelExists, ModelNotFound, UsageError
 from edgellm.fsutil import sha256_file
 from edgellm.gguf.reader import GGUF_MAGIC, split_set, validate_for_import
-from edgellm.models.resolve import record_from_info
+from edgellm.models.resolve import register_placed
 from edgellm.models.store import ModelRecord, Store, copy_into_store, link_into_store, validate_name
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
 
@@ -298,7 +298,7 @@ def import_foreign(
     info = validate_for_import([f.resolve() for f in model.files])
     placed: list[Path] = []
     try:
-        files, modes, file_shas, total = [], set(), {}, 0
+        modes, file_shas, total = set(), {}, 0
         for i, f in enumerate(model.files):
             filename = f"{name}.gguf" if model.tool == "ollama" else f.name  # an Ollama blob has no file name
             if link:
@@ -316,7 +316,6 @@ def import_foreign(
                 want = model.expected_sha256[i]
                 if want and sha != want:  # changed between the check and the copy
                     raise IntegrityError(_mismatch(model, f, sha, want))
-            files.append(entry)
             modes.add(mode)
             file_shas[entry] = sha
             total += n
@@ -327,17 +326,7 @@ def import_foreign(
                 "tool": model.tool,
                 "origin": str(model.files[0].resolve()),
             }
-        rec = record_from_info(
-            name,
-            info,
-            files,
-            file_shas[files[0]],
-            size_bytes=total,
-            source=f"{model.tool}:{model.name}",
-            file_sha256=file_shas,
-            extra=extra,
-        )
-        return store.register(rec)
+        return register_placed(store, name, info, file_shas, total, source=f"{model.tool}:{model.name}", extra=extra)
     except BaseException:
         if not store.find(name):  # not a same-named model another process registered meanwhile
             for p in placed:

@@ -51,6 +51,12 @@ def record_from_info(name: str, info: GGUFInfo, files: list[str], sha: str, **kw
     )
 
 
+def register_placed(store: Store, name: str, info: GGUFInfo, shas: dict[str, str], size_bytes: int, **kw) -> ModelRecord:
+    """Register the files an import placed in the store (entry → sha256, the first shard first) as model `name`."""
+    files = list(shas)
+    return store.register(record_from_info(name, info, files, shas[files[0]], size_bytes=size_bytes, file_sha256=shas, **kw))
+
+
 @dataclass
 class Resolved:
     """What a user's model reference points to."""
@@ -107,9 +113,7 @@ def import_file(
     *,
     name: Optional[str] = None,
     store: Optional[Store] = None,
-    source: Optional[str] = None,
     parent: Optional[str] = None,
-    catalog: Optional[str] = None,
     link: bool = False,
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
@@ -131,7 +135,6 @@ def import_file(
     if store.find(name):
         raise ModelExists(f"a model named '{name}' already exists (use --name to pick another)")
     targets: list[Path] = []
-    files: list[str] = []
     shas: dict[str, str] = {}
     total = 0
     extra: dict[str, dict[str, str]] = {}
@@ -152,22 +155,9 @@ def import_file(
                 target, n, sha = copy_into_store(store, s, name, on_progress=on_progress, cancel=cancel)
                 targets.append(target)
                 entry = store.relative(target)
-            files.append(entry)
             shas[entry] = sha
             total += n
-        rec = record_from_info(
-            name,
-            info,
-            files,
-            shas[files[0]],
-            size_bytes=total,
-            source=source or f"import:{path.resolve()}",
-            parent=parent,
-            catalog=catalog,
-            file_sha256=shas,
-            extra=extra,
-        )
-        return store.register(rec)
+        return register_placed(store, name, info, shas, total, source=f"import:{path.resolve()}", parent=parent, extra=extra)
     except BaseException:
         for t in targets:
             if not store.find(name):
