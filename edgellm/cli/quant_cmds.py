@@ -12,6 +12,9 @@ from edgellm.errors import UsageError
 from edgellm.fsutil import human_size
 from edgellm.units import SIZE_HELP
 
+# quantize and convert write a model file the same way, so they refuse or replace an existing one alike
+_force_option = click.option("--force", is_flag=True, help="Replace an existing output of the same name.")
+
 
 # long: the click options (levels, --imatrix, --budget, --recipe, output) are the interface; the body translates them
 @click.command("quantize")
@@ -56,7 +59,7 @@ from edgellm.units import SIZE_HELP
     type=click.Path(path_type=Path),
     help="Instead of --level: apply a saved --budget recipe (JSON) to a model of the same architecture.",
 )
-@click.option("--force", is_flag=True, help="Replace an existing output of the same name.")
+@_force_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output: a list, one object per level.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def quantize_cmd(
@@ -138,7 +141,7 @@ def quantize_cmd(
 @click.option("--to", "to", default="f16", show_default=True, help="Float type to write: f16, bf16 or f32.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Output file or folder (default: the store).")
 @click.option("--name", help="Store name (default: the input's name with its level swapped, e.g. ...-f16).")
-@click.option("--force", is_flag=True, help="Replace an existing output of the same name.")
+@_force_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def convert_cmd(model, to, output, name, force, as_json, no_progress) -> None:
