@@ -42,18 +42,15 @@ from typing import Any, Optional
 import numpy as np
 
 from edgellm import paths
-from edgellm.engine import backends, hardware
-from edgellm.engine.runtime import default_threads, silence_native_stderr
 from edgellm.errors import EvalError, ModelExists, ModelNotFound, QuantizeError, RuntimeFailure, UsageError
 from edgellm.fsutil import atomic_path, atomic_write_text, remove_stale_partials, sha256_file
-from edgellm.gguf.reader import check_tensor_data, read_gguf
 from edgellm.models.resolve import resolve
 from edgellm.models.store import Store, validate_name
 from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
 from quant._imatrix_collect import Collector
 from quant.corpus import Text, load_text
 from quant.imatrix_file import IMatrix, check_against_model, encode, read_imatrix
-from quant.perplexity import DEFAULT_UBATCH, _Batch, _quiet_llama, plan_chunks, tokenize
+from quant.perplexity import ChunkPlan, LogitsRunner, plan_chunks
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +157,7 @@ def compute_imatrix(
     finally:
         runner.close()
     m = collector.result([txt.label])
-    arch = runner.architecture
+    arch = runner.info.architecture
     model_sha = (
         resolved.record.sha256
         if resolved.record is not None and len(resolved.record.sha256) == 64
@@ -189,80 +186,40 @@ def compute_imatrix(
     return rec
 
 
-class _Runner:
+class _Runner(LogitsRunner):
     """The model, a context whose cb_eval is a Collector, and llama-imatrix's chunk loop."""
 
     def __init__(self, path: Path, *, ctx: int, batch: int, threads: Optional[int], cancel: Optional[CancelToken] = None) -> None:
-        info = read_gguf(path)
-        check_tensor_data(path)
-        self.architecture = info.architecture
-        self.path, self.ll = path, _quiet_llama()
-        ll = self.ll
-        self.n_ctx = ctx
-        self.n_seq = max(1, batch // ctx)
-        self.n_batch = min(batch, self.n_seq * ctx)
         self.collector = Collector(chunk_size=ctx)
+        self.cancel = cancel
+        n_seq = max(1, batch // ctx)
+        super().__init__(path, n_ctx=ctx, n_seq=n_seq, n_batch=min(batch, n_seq * ctx), threads=threads)
 
-        backends.ensure(path, tester=hardware.self_test)  # the portable build's CPU variant, before the load
-        mp = ll.llama_model_default_params()
-        mp.n_gpu_layers = 0
-        self.ctx = None
-        with silence_native_stderr():
-            self.model = ll.llama_model_load_from_file(str(path).encode(), mp)
-        if not self.model:
-            raise RuntimeFailure(f"llama.cpp could not load {path.name}")
-        cp = ll.llama_context_default_params()
-        cp.n_ctx = ctx * self.n_seq
-        cp.n_batch = self.n_batch
-        cp.n_ubatch = min(DEFAULT_UBATCH, self.n_batch)
-        cp.n_seq_max = self.n_seq
-        cp.n_threads = cp.n_threads_batch = threads or default_threads()
-        cp.no_perf = True
+    def _tune(self, mp: Any, cp: Any) -> None:
         cp.cb_eval = self.collector.callback
         cp.cb_eval_user_data = None
         # a decode of 4 chunks can take a minute on a busy 2-core machine: Ctrl-C stops it between graph nodes
-        self.cancel = cancel
-        self._abort = ll.ggml_abort_callback(lambda _data: bool(cancel is not None and cancel.cancelled))
+        cancel = self.cancel
+        self._abort = self._ll.ggml_abort_callback(lambda _data: bool(cancel is not None and cancel.cancelled))
         cp.abort_callback = self._abort
         cp.abort_callback_data = None
-        with silence_native_stderr():
-            self.ctx = ll.llama_init_from_model(self.model, cp)
-        if not self.ctx:
-            self.close()
-            raise RuntimeFailure(f"llama.cpp could not create a context of {ctx * self.n_seq} tokens for {path.name}")
-        self.vocab = ll.llama_model_get_vocab(self.model)
-        self.add_bos = bool(ll.llama_vocab_get_add_bos(self.vocab))
-        self.bos = int(ll.llama_vocab_bos(self.vocab))
-        self.batch = _Batch(self.n_batch)
-
-    def tokenize(self, data: bytes) -> np.ndarray:
-        return tokenize(self.ll, self.vocab, data)
 
     def run(
-        self, tokens: np.ndarray, plan: Any, *, on_progress: ProgressCallback, cancel: Optional[CancelToken], task: str
+        self, tokens: np.ndarray, plan: ChunkPlan, *, on_progress: ProgressCallback, cancel: Optional[CancelToken], task: str
     ) -> Collector:
-        ll, b, n_ctx = self.ll, self.batch, self.n_ctx
-        num_batches = (n_ctx + self.n_batch - 1) // self.n_batch
+        ll, b, n_ctx = self._ll, self._batch, self.n_ctx
+        num_batches = (n_ctx + plan.n_batch - 1) // plan.n_batch
         mem = ll.llama_get_memory(self.ctx)
         meter = RateMeter()
         on_progress(Progress(task, 0, plan.n_chunk, "chunk", message="first chunk"))
-        for i in range(0, plan.n_chunk, self.n_seq):
+        for i in range(0, plan.n_chunk, plan.n_seq):
             if cancel is not None:
                 cancel.check()
-            start, n_seq_batch = i * n_ctx, min(self.n_seq, plan.n_chunk - i)
+            start, n_seq_batch = i * n_ctx, min(plan.n_seq, plan.n_chunk - i)
             ll.llama_memory_clear(mem, True)
             for j in range(num_batches):
                 # all outputs (first_output 0), as llama-imatrix: the last layer sees every token
-                b.fill_chunks(
-                    tokens,
-                    start=start,
-                    j=j,
-                    n_ctx=n_ctx,
-                    n_batch=self.n_batch,
-                    n_seq=n_seq_batch,
-                    bos=self.bos if self.add_bos else None,
-                    first_output=0,
-                )
+                b.fill_chunks(tokens, plan, start=start, j=j, n_seq=n_seq_batch, first_output=0)
                 rc = ll.llama_decode(self.ctx, b.struct)
                 if self.collector.error is not None:
                     raise self.collector.error
@@ -273,14 +230,6 @@ class _Runner:
             done = i + n_seq_batch
             on_progress(Progress(task, done, plan.n_chunk, "chunk", rate=meter.update(done)))
         return self.collector
-
-    def close(self) -> None:
-        if self.ctx:
-            self.ll.llama_free(self.ctx)
-            self.ctx = None
-        if getattr(self, "model", None):
-            self.ll.llama_model_free(self.model)
-            self.model = None
 
 
 # -- the stored matrices --------------------------------------------------------

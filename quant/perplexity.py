@@ -60,9 +60,10 @@ def _quiet_llama() -> Any:
 class _Batch:
     """A llama_batch whose arrays numpy owns, so filling it is a few slice copies."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, bos: Optional[int]) -> None:
         import llama_cpp  # llama_cpp loads libllama: only where llama.cpp runs
 
+        self.bos = bos  # the model's BOS when it adds one, else None
         self.token = np.zeros(capacity, np.int32)
         self.pos = np.zeros(capacity, np.int32)
         self.n_seq_id = np.ones(capacity, np.int32)
@@ -82,22 +83,12 @@ class _Batch:
             logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
 
-    def fill_chunks(
-        self,
-        tokens: np.ndarray,
-        *,
-        start: int,
-        j: int,
-        n_ctx: int,
-        n_batch: int,
-        n_seq: int,
-        bos: Optional[int],
-        first_output: int,
-    ) -> int:
-        """Batch `j` of `n_seq` consecutive chunks of `n_ctx` tokens from `start`,
+    def fill_chunks(self, tokens: np.ndarray, plan: ChunkPlan, *, start: int, j: int, n_seq: int, first_output: int) -> int:
+        """Batch `j` of `n_seq` consecutive chunks of `plan.n_ctx` tokens from `start`,
         as llama-perplexity and llama-imatrix lay them out: each chunk its own
         sequence, BOS over the first token of a chunk when the model adds one,
         logits for positions >= `first_output`. Returns the tokens filled."""
+        n_ctx, n_batch, bos = plan.n_ctx, plan.n_batch, self.bos
         size = min(n_ctx - j * n_batch, n_batch)
         pos = np.arange(j * n_batch, j * n_batch + size, dtype=np.int32)
         n = 0
@@ -165,27 +156,31 @@ class LogitsRunner:
     iteration) and the token each row predicts.
     """
 
+    # what a failed load or context says; a subclass that loads the model for another purpose names it
+    LOAD_FAILED = "llama.cpp could not load {name}"
+    CONTEXT_FAILED = "llama.cpp could not create a context of {tokens} tokens for {name}"
+
     def __init__(
         self, path: Path | str, *, n_ctx: int, n_seq: int, n_batch: int, threads: Optional[int] = None, rpc_plan: Any = None
     ) -> None:
         self.path = Path(path)
         self.info = read_gguf(self.path)  # validate before llama.cpp sees the file
         check_tensor_data(self.path)  # NaN/Inf weights would only yield "PPL nan"
+        self._open(n_ctx=n_ctx, n_seq=n_seq, n_batch=n_batch, threads=threads or default_threads(), rpc_plan=rpc_plan)
+
+    def _tune(self, mp: Any, cp: Any) -> None:
+        """A subclass's additions to llama.cpp's model and context parameters (an eval callback, a load mode)."""
+
+    def _open(self, *, n_ctx: int, n_seq: int, n_batch: int, threads: int, rpc_plan: Any = None) -> None:
+        """The model on the CPU (or `rpc_plan`'s workers) and one context for `n_seq` chunks of `n_ctx` tokens,
+        decoded `n_batch` at a time, as llama-perplexity and llama-imatrix set them up."""
         llama_cpp = _quiet_llama()
         self._ll = llama_cpp
-        self.threads = threads or default_threads()
+        self.threads = threads
 
         backends.ensure(self.path, tester=hardware.self_test)  # the portable build's CPU variant, before the load
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = 0
-        if rpc_plan is not None:  # layers on llama.cpp RPC workers (edgellm.engine.rpc); the plan was printed
-            _keep = rpc_native.apply_to_params(mp, rpc_plan)  # noqa: F841  (alive until the load returns)
-        with silence_native_stderr():
-            self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
-        if rpc_plan is not None and self.model:
-            rpc_native.harden_sockets([w.endpoint for w in rpc_plan.workers])
-        if not self.model:
-            raise RuntimeFailure(f"llama.cpp could not load {self.path.name}")
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = n_ctx * n_seq
         cp.n_batch = n_batch
@@ -194,18 +189,27 @@ class LogitsRunner:
         cp.n_threads = self.threads
         cp.n_threads_batch = self.threads
         cp.no_perf = True
+        self._tune(mp, cp)
+        if rpc_plan is not None:  # layers on llama.cpp RPC workers (edgellm.engine.rpc); the plan was printed
+            _keep = rpc_native.apply_to_params(mp, rpc_plan)  # noqa: F841  (alive until the load returns)
+        with silence_native_stderr():
+            self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
+        if rpc_plan is not None and self.model:
+            rpc_native.harden_sockets([w.endpoint for w in rpc_plan.workers])
+        if not self.model:
+            raise RuntimeFailure(self.LOAD_FAILED.format(name=self.path.name))
         with silence_native_stderr():
             self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             self.model = None
-            raise RuntimeFailure(f"llama.cpp could not create a context of {n_ctx * n_seq} tokens for {self.path.name}")
+            raise RuntimeFailure(self.CONTEXT_FAILED.format(tokens=n_ctx * n_seq, name=self.path.name))
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
         self.n_ctx, self.n_seq, self.n_batch = n_ctx, n_seq, n_batch
-        self._batch = _Batch(n_batch)
+        self._batch = _Batch(n_batch, bos=self.bos if self.add_bos else None)
         self.eval_seconds = 0.0
 
     def close(self) -> None:
@@ -251,16 +255,7 @@ class LogitsRunner:
             ll.llama_memory_clear(mem, True)
             got = 0
             for j in range(num_batches):
-                n = b.fill_chunks(
-                    tokens,
-                    start=start,
-                    j=j,
-                    n_ctx=n_ctx,
-                    n_batch=plan.n_batch,
-                    n_seq=n_seq_batch,
-                    bos=self.bos if self.add_bos else None,
-                    first_output=first,
-                )
+                n = b.fill_chunks(tokens, plan, start=start, j=j, n_seq=n_seq_batch, first_output=first)
                 rc = ll.llama_decode(self.ctx, b.struct)
                 if rc != 0:
                     raise RuntimeFailure(f"llama.cpp failed to decode chunk {i + 1} of {self.path.name} (code {rc})")

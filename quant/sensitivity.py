@@ -52,15 +52,14 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from edgellm import paths
-from edgellm.engine import backends, hardware
-from edgellm.engine.runtime import default_threads, silence_native_stderr
-from edgellm.errors import QuantizeError, RuntimeFailure
+from edgellm.engine.runtime import default_threads
+from edgellm.errors import QuantizeError
 from edgellm.fsutil import atomic_write_text
 from edgellm.progress import CancelToken, Progress, ProgressCallback
 from quant._ggml import GGML_TYPE_F16, GGML_TYPE_F32, Tensor, ggml
 from quant.imatrix import calibration_text
 from quant.kld import BaseLogProbs, KLDAccumulator
-from quant.perplexity import ChunkPlan, LogitsRunner, _Batch, _quiet_llama, score
+from quant.perplexity import ChunkPlan, LogitsRunner, _quiet_llama, score
 
 VERSION = 3  # 3: the first two and the last layer are groups of their own (depth_buckets)
 # 128 tokens: on the gridless 135M, Q4_K_M/Q3_K_M ratios 0.673/0.443 at 128 against 0.672/0.446 at 256
@@ -193,43 +192,21 @@ class _ProbeModel(LogitsRunner):
     weights must be writable; no extra buffer types: a repacked layout could not be written in
     place), with an eval callback that records the weights the graph's nodes read."""
 
-    # long: llama.cpp's model and context set-up, as LogitsRunner does it, plus the weight map's callback
+    LOAD_FAILED = "llama.cpp could not load {name} for the sensitivity probes"
+    CONTEXT_FAILED = "llama.cpp could not create a context for the sensitivity probes of {name}"
+
     def __init__(self, path: Path, *, n_ctx: int, threads: int) -> None:
         self.path = path
-        llama_cpp = _quiet_llama()
-        self._ll = llama_cpp
-        self.threads = threads
         self.weights: dict[str, tuple[int, int, int]] = {}  # name -> (address, ggml type, elements)
-        self._callback = llama_cpp.ggml_backend_sched_eval_callback(self._note)
-        backends.ensure(path, tester=hardware.self_test)
-        mp = llama_cpp.llama_model_default_params()
-        mp.n_gpu_layers = 0
-        mp.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+        self._callback = _quiet_llama().ggml_backend_sched_eval_callback(self._note)
+        self._open(n_ctx=n_ctx, n_seq=1, n_batch=n_ctx, threads=threads)
+        self._g = ggml()
+
+    def _tune(self, mp: Any, cp: Any) -> None:
+        mp.load_mode = self._ll.LLAMA_LOAD_MODE_NONE
         mp.use_extra_bufts = False
-        with silence_native_stderr():
-            self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
-        if not self.model:
-            raise RuntimeFailure(f"llama.cpp could not load {path.name} for the sensitivity probes")
-        cp = llama_cpp.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_ctx, n_ctx, 1
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.no_perf = True
         cp.cb_eval = self._callback
         cp.cb_eval_user_data = None
-        with silence_native_stderr():
-            self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
-        if not self.ctx:
-            llama_cpp.llama_model_free(self.model)
-            self.model = None
-            raise RuntimeFailure(f"llama.cpp could not create a context for the sensitivity probes of {path.name}")
-        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
-        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
-        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
-        self.bos = int(llama_cpp.llama_vocab_bos(self.vocab))
-        self.n_ctx, self.n_seq, self.n_batch = n_ctx, 1, n_ctx
-        self._batch = _Batch(n_ctx)
-        self.eval_seconds = 0.0
-        self._g = ggml()
 
     def _note(self, t_ptr: int, ask: bool, _ud: Optional[int]) -> bool:
         """Asked about every node before it runs: note the weights it reads; never ask for its data."""
