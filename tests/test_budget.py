@@ -25,7 +25,6 @@ def test_budget_parses_its_input_once(tiny_f32, edgellm_home, monkeypatch):
     real (tiny, 256-wide) llama: every step runs, the probes included, in seconds."""
     import edgellm.gguf.reader as reader
     import quant._common
-    import quant.imatrix
     import quant.perplexity
     import quant.quantize_result
     from quant.budget import quantize_to_budget
@@ -38,7 +37,7 @@ def test_budget_parses_its_input_once(tiny_f32, edgellm_home, monkeypatch):
         seen.append(Path(path).resolve())
         return real(path, *a, **kw)
 
-    for mod in (reader, quant._common, quant.quantize_result, quant.imatrix, quant.perplexity):
+    for mod in (reader, quant._common, quant.quantize_result, quant.perplexity):
         monkeypatch.setattr(mod, "read_gguf", counting)
     res, recipe = quantize_to_budget(tiny_f32, budget="5bpw", imatrix=str(matrix), threads=2)
     inp = Path(tiny_f32).resolve()
