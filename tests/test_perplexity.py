@@ -39,26 +39,13 @@ def llama_ppl(llama_bin: Path, model: Path, text: Path, *, ctx: int, chunks: int
 def test_ppl_equals_llama_perplexity(cli, default_model, default_gguf, wikitext, llama_tools):
     from edgellm.engine.runtime import default_threads
 
-    t = default_threads()
-    res = cli(
-        "ppl",
-        DEFAULT_NAME,
-        "--text",
-        wikitext,
-        "--ctx",
-        "256",
-        "--chunks",
-        "4",
-        "--batch",
-        "1024",
-        "--threads",
-        t,
-        "--json",
-        "--no-progress",
-    )
+    # the one set of settings both tools get, by the names of `edgellm ppl`'s options
+    same = {"ctx": 256, "chunks": 4, "batch": 1024, "threads": default_threads()}
+    flags = [a for k, v in same.items() for a in (f"--{k}", v)]
+    res = cli("ppl", DEFAULT_NAME, "--text", wikitext, *flags, "--json", "--no-progress")
     assert res.exit_code == 0, res
     d = res.json()
-    ref, ref_err = llama_ppl(llama_tools, default_gguf, wikitext, ctx=256, chunks=4, batch=1024, threads=t)
+    ref, ref_err = llama_ppl(llama_tools, default_gguf, wikitext, **same)
     assert abs(d["ppl"] / ref - 1) < 5e-4, (d["ppl"], ref)
     assert abs(d["ppl_err"] / ref_err - 1) < 1e-3, (d["ppl_err"], ref_err)
     assert d["n_chunks"] == 4 and d["ctx"] == 256 and d["corpus"] == "wiki.test.raw"
