@@ -156,8 +156,6 @@ def write_stub_gguf(
     path: Path | str,
     *,
     arch: str = "llama",
-    embd: int = 64,
-    vocab: int = 256,
     layers: int = 2,
     ftype: int = 7,
     pad_mib: float = 0,
@@ -169,6 +167,7 @@ def write_stub_gguf(
     whose first shard's path is returned."""
     path = Path(path)
     rng = np.random.default_rng(seed)
+    embd, vocab = 64, 256  # fixed: callers vary the type, padding and split, never these
 
     def fill(w, gguf) -> None:
         w.add_context_length(512)
