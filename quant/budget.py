@@ -59,10 +59,10 @@ from quant._common import BaseInput, base_name
 from quant._ggml import ggml
 from quant.allocate import Matrix, allocate, group_options
 from quant.allocate import hull as hull_of
-from quant.imatrix import calibration_text, choose_imatrix
+from quant.imatrix import ImatrixChoice, calibration_text
 from quant.imatrix_file import IMatrix
 from quant.quantize import QuantizeResult
-from quant.recipe import FILE_TYPE, TYPES, Recipe, llama_quantize_text, quantize_with, resolve_base
+from quant.recipe import FILE_TYPE, TYPES, Recipe, RecipeJob, llama_quantize_text, resolve_base
 
 SAMPLE_ROWS = 256
 
@@ -327,38 +327,36 @@ def calibrated_choice(
 
 
 def plan(
-    model_path: Path,
-    info: GGUFInfo,
-    imatrix: IMatrix,
+    src: BaseInput,
+    imatrix: ImatrixChoice,
     budget: Budget,
     *,
     exclude: Sequence[str] = (),
     cancel: Optional[CancelToken] = None,
     on_progress: Optional[ProgressCallback] = None,
     calibrate: bool = True,
-    model_sha256: Optional[str] = None,
-    imatrix_sha256: Optional[str] = None,
     threads: Optional[int] = None,
 ) -> Recipe:
-    """The recipe for `budget`: measured, allocated, with its exact predicted size and the search cost.
+    """The recipe for `budget`: measured with `imatrix`'s matrix, allocated, with its exact predicted size and the search cost.
 
     With `calibrate`, each matrix's error is scaled by its group's gain in that type, measured on the
     calibration text (quant/sensitivity.py); without, the proxy errors count as they are."""
     t0 = time.perf_counter()
+    model_path, info, rec = src.path, src.info, src.resolved.record
     types, excl, overhead, smallest = check_budget(model_path, info, budget, exclude)
-    mats, kept = measure(model_path, imatrix, types, cancel=cancel, on_progress=on_progress, threads=threads)
+    mats, kept = measure(model_path, imatrix.matrix, types, cancel=cancel, on_progress=on_progress, threads=threads)
     limit = budget.bytes - overhead - kept
     calibration: dict[str, Any] = {}
     if calibrate:
         choice, used, calibration = calibrated_choice(
             model_path,
             read_tensors(model_path).tensors,
-            imatrix,
+            imatrix.matrix,
             mats,
             limit,
             n_layers=info.block_count,
-            model_sha256=model_sha256 or sha256_file(model_path),
-            imatrix_sha256=imatrix_sha256 or "none",
+            model_sha256=(rec.sha256 if rec is not None else None) or sha256_file(model_path),
+            imatrix_sha256=imatrix.sha256 or "none",
             threads=threads,
             cancel=cancel,
             on_progress=on_progress,
@@ -405,24 +403,13 @@ def quantize_to_budget(
 
     on_progress = on_progress or no_progress
     store = store or Store()
-    src = resolve_base(model, store)
-    resolved, info = src.resolved, src.info
+    job = RecipeJob(resolve_base(model, store), store, output, threads, force, on_progress, cancel)
+    resolved, info = job.src.resolved, job.src.info
     b = parse_budget(budget, info)
     check_budget(resolved.path, info, b, exclude)
     # an imatrix first: the search measures with it and the quantization uses it
-    choice = choose_imatrix(imatrix or "auto", resolved, store=store, on_progress=on_progress, cancel=cancel)
-    recipe = plan(
-        resolved.path,
-        info,
-        choice.matrix,
-        b,
-        exclude=exclude,
-        cancel=cancel,
-        on_progress=on_progress,
-        imatrix_sha256=choice.sha256,
-        threads=threads,
-        model_sha256=resolved.record.sha256 if resolved.record is not None else None,
-    )
+    choice = job.imatrix(imatrix or "auto")
+    recipe = plan(job.src, choice, b, exclude=exclude, cancel=cancel, on_progress=on_progress, threads=threads)
     recipe.model, recipe.imatrix = resolved.label, choice.lineage()
     label = "budget-" + re.sub(r"[^a-z0-9.]", "", budget.lower())
     jpath = paths.home() / "recipes" / f"{base_name(resolved, info)}-{label}.json"
@@ -439,19 +426,7 @@ def quantize_to_budget(
         "search_seconds": recipe.search_seconds,
     }
     try:
-        res = quantize_with(
-            recipe,
-            src,
-            lineage,
-            label,
-            imatrix=choice,
-            output=output,
-            threads=threads,
-            force=force,
-            store=store,
-            on_progress=on_progress,
-            cancel=cancel,
-        )
+        res = job.quantize(recipe, lineage, label, choice)
     except BaseException:
         for p in written:
             p.unlink(missing_ok=True)

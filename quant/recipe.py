@@ -154,34 +154,45 @@ def apply_recipe(
     """Quantize `model` with the recipe's per-tensor types. Returns (QuantizeResult, recipe)."""
 
     store = store or Store()
-    src = resolve_base(model, store)
+    job = RecipeJob(resolve_base(model, store), store, output, threads, force, on_progress, cancel)
     recipe = load_recipe(recipe_file)
-    check_recipe(recipe, src.path, src.info, src.label)
+    check_recipe(recipe, job.src.path, job.src.info, job.src.label)
     label = "recipe-" + re.sub(r"[^a-z0-9._+-]", "-", Path(recipe_file).stem.lower())[:40]
     lineage = {"file": recipe.file, "made_for": recipe.model, "tensors": len(recipe.tensor_types)}
     recipe.search_seconds = 0.0
-    choice: Optional[ImatrixChoice] = None
-    if imatrix is not None:
+    choice = job.imatrix(imatrix) if imatrix is not None else None
+    return job.quantize(recipe, lineage, label, choice), recipe
+
+
+@dataclass(frozen=True)
+class RecipeJob:
+    """One `--recipe` or `--budget` run: its base, resolved and parsed once, and quantize()'s options as given."""
+
+    src: BaseInput
+    store: Store
+    output: Optional[Path]
+    threads: Optional[int]
+    force: bool
+    on_progress: ProgressCallback
+    cancel: Optional[CancelToken]
+
+    def imatrix(self, ref: str) -> ImatrixChoice:
+        """`--imatrix NAME|FILE|auto`, chosen for this base and checked against it."""
         from quant.imatrix import choose_imatrix  # only with a matrix: it loads the calibration machinery
 
-        choice = choose_imatrix(imatrix, src.resolved, store=store, on_progress=on_progress, cancel=cancel)
-    res = quantize_with(
-        recipe,
-        src,
-        lineage,
-        label,
-        imatrix=choice,
-        output=output,
-        threads=threads,
-        force=force,
-        store=store,
-        on_progress=on_progress,
-        cancel=cancel,
-    )
-    return res, recipe
+        return choose_imatrix(ref, self.src.resolved, store=self.store, on_progress=self.on_progress, cancel=self.cancel)
 
-
-def quantize_with(recipe: Recipe, src: BaseInput, lineage: dict[str, Any], label: str, **kw: Any) -> QuantizeResult:
-    """One file with the recipe's per-tensor types: what `--recipe` and `--budget` both end in. `kw`: quantize()'s
-    output, threads, force, imatrix, store, on_progress, cancel."""
-    return quantize(src, [FILE_TYPE], overrides=TensorOverrides(recipe.overrides(), lineage, label), **kw)[0]
+    def quantize(self, recipe: Recipe, lineage: dict[str, Any], label: str, imatrix: Optional[ImatrixChoice]) -> QuantizeResult:
+        """One file with the recipe's per-tensor types: what `--recipe` and `--budget` both end in."""
+        return quantize(
+            self.src,
+            [FILE_TYPE],
+            output=self.output,
+            threads=self.threads,
+            force=self.force,
+            imatrix=imatrix,
+            overrides=TensorOverrides(recipe.overrides(), lineage, label),
+            store=self.store,
+            on_progress=self.on_progress,
+            cancel=self.cancel,
+        )[0]
