@@ -10,11 +10,12 @@ the search saw).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from support.helpers import run_ok
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_CHUNKS = 4
@@ -53,8 +54,7 @@ def _edgellm(home: Path, *args: str) -> object:
     import os
 
     env = dict(os.environ, EDGELLM_HOME=str(home))
-    proc = subprocess.run([sys.executable, "-m", "edgellm.cli", *args], env=env, capture_output=True, text=True, timeout=3600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_ok(sys.executable, "-m", "edgellm.cli", *args, env=env, timeout=3600)
     return json.loads(proc.stdout) if "--json" in args else proc.stdout
 
 
@@ -63,32 +63,11 @@ def test_budget_beats_imatrix_q4_k_m_on_the_gridless_base(default_gguf, llama_to
     """--budget at the size of llama-quantize --imatrix Q4_K_M: a lower mean KLD, on a base with no grid."""
     home = tmp_path / "home"
     gridless = tmp_path / "gridless-135m-f16.gguf"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "make_wide_model.py"),
-            str(default_gguf),
-            "--factor",
-            "1",
-            "--dither",
-            "-o",
-            str(gridless),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_ok(sys.executable, ROOT / "scripts" / "make_wide_model.py", default_gguf, "--factor", "1", "--dither", "-o", gridless)
     _edgellm(home, "import", str(gridless), "--name", "gl-f16", "--link")
     im = _edgellm(home, "imatrix", "gl-f16", "--threads", "2", "--json", "--no-progress")["file"]  # the shipped text
     ref = tmp_path / "ref-q4_k_m.gguf"
-    proc = subprocess.run(
-        [str(llama_tools / "llama-quantize"), "--imatrix", im, str(gridless), str(ref), "Q4_K_M", "2"],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_ok(llama_tools / "llama-quantize", "--imatrix", im, gridless, ref, "Q4_K_M", "2")
     _edgellm(home, "import", str(ref), "--name", "gl-q4_k_m-imat")
     size = ref.stat().st_size
     out = _edgellm(

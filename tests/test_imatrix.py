@@ -9,14 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from support.eval_reports import eval_report, level_eval
-from support.helpers import assert_one_line_error, start_cli, store_snapshot
+from support.helpers import assert_one_line_error, run_ok, start_cli, store_snapshot
 from support.quant_fixtures import F16_NAME, f16_model, f16_session  # noqa: F401 (fixtures)
 
 CHUNKS = 2
@@ -52,28 +51,9 @@ def reference_imatrix(f16_path, llama_tools, tmp_path_factory) -> Path:
     from quant.imatrix import calibration_path
 
     out = tmp_path_factory.mktemp("llama-imatrix") / "ref.gguf"
-    proc = subprocess.run(
-        [
-            str(llama_tools / "llama-imatrix"),
-            "-m",
-            str(f16_path),
-            "-f",
-            str(calibration_path()),
-            "-c",
-            "512",
-            "--chunks",
-            str(CHUNKS),
-            "-t",
-            "2",
-            "--no-ppl",
-            "-o",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    # session_imatrix's text, ctx, chunks and threads
+    as_ours = ["-f", calibration_path(), "-c", "512", "--chunks", CHUNKS, "-t", "2"]
+    run_ok(llama_tools / "llama-imatrix", "-m", f16_path, *as_ours, "--no-ppl", "-o", out)
     return out
 
 
@@ -145,21 +125,7 @@ def test_quant_with_imatrix_is_byte_identical_to_llama_quantize(
         assert o["name"] == f"smollm2-135m-instruct-{level}-imat"
         assert o["imatrix"]["file"] == str(reference_imatrix) and o["imatrix"]["sha256"] == _sha(reference_imatrix)
         ref = tmp_path / f"ref-{level}.gguf"
-        proc = subprocess.run(
-            [
-                str(llama_tools / "llama-quantize"),
-                "--imatrix",
-                str(reference_imatrix),
-                str(f16_path),
-                str(ref),
-                level.upper(),
-                "2",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0, proc.stderr[-1500:]
+        run_ok(llama_tools / "llama-quantize", "--imatrix", reference_imatrix, f16_path, ref, level.upper(), "2", timeout=900)
         assert o["sha256"] == _sha(ref), level
     # lineage in the store and in inspect
     from edgellm.models.store import Store
@@ -399,23 +365,19 @@ def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(
     assert again.json()[0]["sha256"] == out["sha256"]
     # ... and so does llama-quantize with the recipe's --tensor-type-file twin
     ref = tmp_path / "ref.gguf"
-    proc = subprocess.run(
-        [
-            str(llama_tools / "llama-quantize"),
-            "--imatrix",
-            str(session_imatrix),
-            "--tensor-type-file",
-            str(Path(out["recipe_file"]).with_suffix(".txt")),
-            str(f16_path),
-            str(ref),
-            "Q4_K_M",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
+    types = Path(out["recipe_file"]).with_suffix(".txt")
+    run_ok(
+        llama_tools / "llama-quantize",
+        "--imatrix",
+        session_imatrix,
+        "--tensor-type-file",
+        types,
+        f16_path,
+        ref,
+        "Q4_K_M",
+        "2",
         timeout=900,
     )
-    assert proc.returncode == 0, proc.stderr[-1500:]
     assert _sha(ref) == out["sha256"]
 
 

@@ -75,6 +75,13 @@ def run_cli(
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
+def run_ok(*argv, env: dict | None = None, timeout: float = 1800) -> subprocess.CompletedProcess:
+    """`argv` (a llama.cpp tool, a script) run to its end, which must be a success; a failure shows its stderr's tail."""
+    proc = subprocess.run([str(a) for a in argv], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
 def start_cli(*args, env: dict | None = None, preexec_fn=None, text: bool = True) -> subprocess.Popen:
     """`edgellm ARGS` in a child process the test can signal; `env` adds to this process's environment."""
     return subprocess.Popen(
