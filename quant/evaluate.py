@@ -32,7 +32,6 @@ from edgellm.gguf.reader import read_gguf
 from edgellm.models.resolve import derived_name, resolve
 from edgellm.models.store import Store
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
-from quant.corpus import load_text
 from quant.eval_report import (
     EvalReport,
     LevelEval,
@@ -46,7 +45,7 @@ from quant.eval_report import (
 from quant.imatrix import calibration_warnings
 from quant.kld import DEFAULT_TAIL_SAMPLES, DEFAULT_TOPK, BaseLogProbs, KLDAccumulator
 from quant.levels import parse_level
-from quant.perplexity import DEFAULT_BATCH, DEFAULT_CTX, LogitsRunner, check_options, plan_chunks, ppl_with_error, score
+from quant.perplexity import LogitsRunner, Scoring, ppl_with_error, score
 from quant.quantize import quantize
 
 log = logging.getLogger(__name__)
@@ -168,13 +167,8 @@ def _targets(
 def evaluate(
     base_ref: str | Path,
     levels: Sequence[str],
+    scoring: Scoring,
     *,
-    text: Optional[str | Path] = None,
-    corpus: Optional[str] = None,
-    ctx: int = DEFAULT_CTX,
-    chunks: Optional[int] = None,
-    batch: Optional[int] = None,
-    threads: Optional[int] = None,
     topk: int = DEFAULT_TOPK,
     tail_samples: int = DEFAULT_TAIL_SAMPLES,
     store: Any = None,
@@ -196,8 +190,9 @@ def evaluate(
     levels = [s.strip() for s in levels if s and s.strip()]
     if not levels:
         raise UsageError("give at least one level (--levels q4_0,q4_k_m,q5_k_m,q8_0)")
-    check_options(ctx, DEFAULT_BATCH if batch is None else batch, threads, chunks)
-    src = load_text(text, corpus)
+    scoring.check()
+    src = scoring.load_text()
+    ctx = scoring.ctx
     base = resolve(str(base_ref), store=store)
     info = read_gguf(base.path)
     warnings = []
@@ -205,27 +200,24 @@ def evaluate(
     if w:
         warnings.append(w)
         log.warning("%s", w)
-    batch = DEFAULT_BATCH if batch is None else batch
-    n_seq = max(1, batch // ctx)
-    n_batch = min(batch, n_seq * ctx)
 
     def runner_for(path: Path) -> LogitsRunner:
         plan = None
         if rpc:
-            plan = prepare(path, rpc, n_ctx=ctx * n_seq, split=rpc_split)
+            plan = prepare(path, rpc, n_ctx=ctx * scoring.n_seq, split=rpc_split)
             if on_rpc_plan is not None:
                 on_rpc_plan(plan)
-        return LogitsRunner(path, n_ctx=ctx, n_seq=n_seq, n_batch=n_batch, threads=threads, rpc_plan=plan)
+        return scoring.runner(path, plan)
 
     # Tokenize (and refuse a short text) before spending minutes on quantizing.
     with runner_for(base.path) as runner:
         tokens = runner.tokenize(src.data)
-        plan = plan_chunks(len(tokens), ctx, chunks, batch)
+        plan = scoring.plan(len(tokens))
         n_vocab = runner.n_vocab
         for_check = runner.tokenize(src.data[:4096])
         threads_used = runner.threads
 
-    targets = _targets(base, levels, threads=threads, store=store, on_progress=on_progress, cancel=cancel)
+    targets = _targets(base, levels, threads=scoring.threads, store=store, on_progress=on_progress, cancel=cancel)
     for t in targets:
         ti = read_gguf(t.path)
         if ti.vocab_size and info.vocab_size and ti.vocab_size != info.vocab_size:

@@ -37,7 +37,7 @@ from edgellm.errors import EvalError, RuntimeFailure, UsageError
 from edgellm.gguf.reader import check_tensor_data, read_gguf
 from edgellm.models.resolve import resolve
 from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
-from quant.corpus import load_text
+from quant.corpus import Text, load_text
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +118,48 @@ class ChunkPlan:
         return self.n_ctx - 1 - self.first
 
 
-def check_options(ctx: int, batch: int, threads: Optional[int], chunks: Optional[int]) -> None:
-    """Refuse bad numbers before llama.cpp sees them (it asserts rather than reports)."""
-    if ctx < 16:
-        raise UsageError(f"--ctx {ctx} is too small (at least 16)")
-    if batch < 1:
-        raise UsageError("--batch must be at least 1")
-    if threads is not None and threads < 1:
-        raise UsageError("--threads must be at least 1")
-    if chunks is not None and chunks < 1:
-        raise UsageError("--chunks must be at least 1")
+@dataclass(frozen=True)
+class Scoring:
+    """The text a model is scored on and how (llama-perplexity's -c, --chunks, -b, -t), one value
+    for `perplexity()` and `evaluate()` so the two read and chunk a text alike."""
+
+    text: Optional[str | Path] = None
+    corpus: Optional[str] = None
+    ctx: int = DEFAULT_CTX
+    chunks: Optional[int] = None
+    batch: Optional[int] = None  # None: DEFAULT_BATCH
+    threads: Optional[int] = None
+
+    @property
+    def n_batch(self) -> int:
+        return DEFAULT_BATCH if self.batch is None else self.batch
+
+    @property
+    def n_seq(self) -> int:
+        """Chunks per decode, as llama-perplexity fits them in the batch."""
+        return max(1, self.n_batch // self.ctx)
+
+    def load_text(self) -> Text:
+        return load_text(self.text, self.corpus)
+
+    def check(self) -> None:
+        """Refuse bad numbers before llama.cpp sees them (it asserts rather than reports)."""
+        if self.ctx < 16:
+            raise UsageError(f"--ctx {self.ctx} is too small (at least 16)")
+        if self.n_batch < 1:
+            raise UsageError("--batch must be at least 1")
+        if self.threads is not None and self.threads < 1:
+            raise UsageError("--threads must be at least 1")
+        if self.chunks is not None and self.chunks < 1:
+            raise UsageError("--chunks must be at least 1")
+
+    def runner(self, path: Path | str, rpc_plan: Any = None) -> LogitsRunner:
+        n_seq = self.n_seq
+        n_batch = min(self.n_batch, n_seq * self.ctx)
+        return LogitsRunner(path, n_ctx=self.ctx, n_seq=n_seq, n_batch=n_batch, threads=self.threads, rpc_plan=rpc_plan)
+
+    def plan(self, n_tokens: int) -> ChunkPlan:
+        return plan_chunks(n_tokens, self.ctx, self.chunks, self.n_batch)
 
 
 def plan_chunks(n_tokens: int, n_ctx: int, chunks: Optional[int], batch: Optional[int]) -> ChunkPlan:
@@ -414,13 +446,8 @@ def score(
 
 def perplexity(
     model: str | Path,
+    scoring: Scoring,
     *,
-    text: Optional[str | Path] = None,
-    corpus: Optional[str] = None,
-    ctx: int = DEFAULT_CTX,
-    chunks: Optional[int] = None,
-    batch: Optional[int] = None,
-    threads: Optional[int] = None,
     store: Any = None,
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
@@ -428,16 +455,12 @@ def perplexity(
 ) -> PerplexityResult:
     """PPL ± err of `model` (store name, catalog ref or path) on a text, as llama-perplexity reports it."""
 
-    src = load_text(text, corpus)
+    src = scoring.load_text()
     resolved = resolve(str(model), store=store)
-    batch = DEFAULT_BATCH if batch is None else batch
-    check_options(ctx, batch, threads, chunks)
-    n_seq = max(1, batch // ctx)
-    with LogitsRunner(
-        resolved.path, n_ctx=ctx, n_seq=n_seq, n_batch=min(batch, n_seq * ctx), threads=threads, rpc_plan=rpc_plan
-    ) as runner:
+    scoring.check()
+    with scoring.runner(resolved.path, rpc_plan) as runner:
         tokens = runner.tokenize(src.data)
-        plan = plan_chunks(len(tokens), ctx, chunks, batch)
+        plan = scoring.plan(len(tokens))
         s, s2, count, secs = score(runner, tokens, plan, on_progress=on_progress, cancel=cancel)
         ppl, err = ppl_with_error(s, s2, count)
         evaluated = plan.n_chunk * plan.n_ctx
@@ -453,10 +476,20 @@ def perplexity(
             seconds=secs,
             corpus=src.label,
             corpus_sha256=src.sha256,
-            ctx=ctx,
+            ctx=scoring.ctx,
             batch=plan.n_batch,
             threads=runner.threads,
         )
 
 
-__all__ = ["PerplexityResult", "perplexity", "LogitsRunner", "ChunkPlan", "plan_chunks", "score", "LogSoftmax", "ppl_with_error"]
+__all__ = [
+    "Scoring",
+    "PerplexityResult",
+    "perplexity",
+    "LogitsRunner",
+    "ChunkPlan",
+    "plan_chunks",
+    "score",
+    "LogSoftmax",
+    "ppl_with_error",
+]

@@ -273,9 +273,9 @@ def write_wide(
 def ppl(path: Path, *, threads: int | None = None) -> float:
     """Perplexity on two chunks of 512 of the shipped calibration text (what the self-check compares)."""
     from quant.imatrix import calibration_path
-    from quant.perplexity import perplexity
+    from quant.perplexity import Scoring, perplexity
 
-    return perplexity(path, text=calibration_path(), ctx=512, chunks=2, threads=threads).ppl
+    return perplexity(path, Scoring(text=calibration_path(), ctx=512, chunks=2, threads=threads)).ppl
 
 
 def main(argv: list[str] | None = None) -> int:

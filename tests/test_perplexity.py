@@ -55,12 +55,12 @@ def test_ppl_equals_llama_perplexity(cli, default_model, default_gguf, wikitext,
 
 
 def test_batch_layout_does_not_change_the_result(tiny_f32):
-    from quant.perplexity import perplexity
+    from quant.perplexity import Scoring, perplexity
 
     # One chunk per decode, 4 chunks per decode, and 2 decodes per chunk: the same PPL.
-    a = perplexity(tiny_f32, corpus="python-docs", ctx=128, chunks=8, batch=512)
-    b = perplexity(tiny_f32, corpus="python-docs", ctx=128, chunks=8, batch=128)
-    c = perplexity(tiny_f32, corpus="python-docs", ctx=128, chunks=8, batch=64)
+    a = perplexity(tiny_f32, Scoring(corpus="python-docs", ctx=128, chunks=8, batch=512))
+    b = perplexity(tiny_f32, Scoring(corpus="python-docs", ctx=128, chunks=8, batch=128))
+    c = perplexity(tiny_f32, Scoring(corpus="python-docs", ctx=128, chunks=8, batch=64))
     assert a.n_tokens_scored == b.n_tokens_scored == c.n_tokens_scored == 8 * 63
     assert abs(a.ppl / b.ppl - 1) < 1e-4 and abs(a.ppl / c.ppl - 1) < 1e-4, (a.ppl, b.ppl, c.ppl)
     assert a.corpus == "python-docs" and a.ppl_err > 0
@@ -68,17 +68,17 @@ def test_batch_layout_does_not_change_the_result(tiny_f32):
 
 def test_progress_and_cancel(tiny_f32):
     from edgellm.errors import Cancelled
-    from quant.perplexity import perplexity
+    from quant.perplexity import Scoring, perplexity
 
     events = []
-    perplexity(tiny_f32, corpus="python-docs", ctx=128, chunks=6, batch=256, on_progress=events.append)
+    perplexity(tiny_f32, Scoring(corpus="python-docs", ctx=128, chunks=6, batch=256), on_progress=events.append)
     chunk_events = [e for e in events if e.unit == "chunk"]
     assert chunk_events[-1].done == chunk_events[-1].total == 6
     assert "PPL" in chunk_events[-1].message
 
     stop = CancelAfter(2)
     with pytest.raises(Cancelled):
-        perplexity(tiny_f32, corpus="python-docs", ctx=128, chunks=8, batch=256, on_progress=stop, cancel=stop.token)
+        perplexity(tiny_f32, Scoring(corpus="python-docs", ctx=128, chunks=8, batch=256), on_progress=stop, cancel=stop.token)
     assert max(stop.seen) < 8
 
 

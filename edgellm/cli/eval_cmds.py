@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -11,6 +12,9 @@ from edgellm.cli.worker_cmds import prepare_rpc, rpc_options
 from edgellm.errors import UsageError
 from edgellm.fsutil import human_size
 from edgellm.models.resolve import resolve
+
+if TYPE_CHECKING:
+    from quant.perplexity import Scoring
 
 
 def _text_options(f):
@@ -36,13 +40,15 @@ def _text_options(f):
     return f
 
 
-def _scoring(text, corpus, ctx, chunks, batch, threads) -> dict:
+def _scoring(text, corpus, ctx, chunks, batch, threads) -> Scoring:
     """The text options as perplexity() and evaluate() take them, once exactly one source is given."""
+    from quant.perplexity import Scoring  # lazy: loads numpy
+
     if text is None and corpus is None:
         raise UsageError("give --text FILE or --corpus NAME (python-docs is built in)")
     if text is not None and corpus is not None:
         raise UsageError("give only one of --text and --corpus")
-    return {"text": text, "corpus": corpus, "ctx": ctx, "chunks": chunks, "batch": batch, "threads": threads}
+    return Scoring(text=text, corpus=corpus, ctx=ctx, chunks=chunks, batch=batch, threads=threads)
 
 
 @click.command("ppl")
@@ -65,9 +71,7 @@ def ppl_cmd(model, text, corpus, ctx, chunks, batch, threads, as_json, no_progre
         n_seq = max(1, (batch or 2048) // ctx) if ctx > 0 else 1
         rpc_plan = prepare_rpc(resolve(model).path, rpc, rpc_split, n_ctx=ctx * n_seq)
     with running_job(not no_progress and not as_json) as (bar, token):
-        r = perplexity(
-            model, **scoring, on_progress=bar, cancel=token, **({"rpc_plan": rpc_plan} if rpc_plan is not None else {})
-        )
+        r = perplexity(model, scoring, on_progress=bar, cancel=token, rpc_plan=rpc_plan)
     if as_json:
         emit_json({**r.to_json(), **({"rpc_plan": rpc_plan.to_json()} if rpc_plan is not None else {})})
         return
@@ -113,7 +117,7 @@ def eval_cmd(
         {"rpc": rpc, "rpc_split": rpc_split, "on_rpc_plan": lambda p: click.echo("\n".join(p.lines()), err=True)} if rpc else {}
     )
     with running_job(not no_progress and not as_json) as (bar, token):
-        report = evaluate(base, items, **scoring, on_progress=bar, cancel=token, **rpc_kw)
+        report = evaluate(base, items, scoring, on_progress=bar, cancel=token, **rpc_kw)
     for w in report.warnings:
         click.echo(f"warning: {w}", err=True)
     if plot is not None:

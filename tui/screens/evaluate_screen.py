@@ -16,6 +16,7 @@ from textual.widgets import Button, DataTable, Input, Label, Select, Static
 from edgellm.fsutil import human_size
 from quant.corpus import BUILTIN_CORPUS
 from quant.evaluate import EvalReport, evaluate, is_edgellm_recipe, level_tag, load_eval_results
+from quant.perplexity import Scoring
 from quant.recommend import Recommendation, recommend
 from tui.screens.base import CANCEL, REFRESH, BaseScreen, one_line
 from tui.widgets.fields import set_choices, steady_cursors
@@ -100,8 +101,8 @@ class EvaluateScreen(BaseScreen):
     @work(thread=True, group="evaluate", exclusive=True)
     def _eval(self, base: str, levels: list[str], text: Optional[str], chunks: Optional[int], token) -> None:
         # A blank text field means the built-in corpus, as its placeholder says.
-        source = dict(text=text) if text else dict(corpus=BUILTIN_CORPUS)
-        ok, out = self.run_job(f"evaluate {base}", evaluate, base, levels, chunks=chunks, **source, token=token)
+        scoring = Scoring(text=text, chunks=chunks) if text else Scoring(corpus=BUILTIN_CORPUS, chunks=chunks)
+        ok, out = self.run_job(f"evaluate {base}", evaluate, base, levels, scoring, token=token)
         rec = _recommendation() if ok else None
         self.ui(self._done, out if ok else None, rec, "" if ok else out, token.cancelled)
 
