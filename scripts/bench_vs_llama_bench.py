@@ -78,6 +78,7 @@ def main() -> int:
 
     from edgellm.profile.bench import bench, measure_bandwidth_now
     from edgellm.profile.llama_bench import find_llama_bench, run_llama_bench
+    from edgellm.profile.settings import BenchSettings
 
     src = args.source or default_source()
     levels = [lv.strip().lower() for lv in args.levels.split(",") if lv.strip()]
@@ -89,7 +90,7 @@ def main() -> int:
     load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
     ours: dict[tuple[str, str], list[float]] = {}
     theirs: dict[tuple[str, str], list[float]] = {}
-    kw = dict(pp=args.pp, tg=args.tg, repetitions=args.repetitions, threads=args.threads)
+    settings = BenchSettings(pp=args.pp, tg=args.tg, repetitions=args.repetitions, threads=args.threads)
     t_start = time.time()
     for rnd in range(args.rounds):
         # one model at a time, the tools alternating who goes first: a burst of background load
@@ -98,10 +99,10 @@ def main() -> int:
             order = ["edgellm", "llama-bench"] if (rnd + mi) % 2 == 0 else ["llama-bench", "edgellm"]
             for tool in order:
                 if tool == "edgellm":
-                    for row in bench([f], measure_bandwidth=False, save=False, **kw):
+                    for row in bench([f], settings, measure_bandwidth=False, save=False):
                         ours.setdefault((f.name, row.test), []).append(row.avg_ts)
                 else:
-                    for rec in run_llama_bench([f], exe=exe, **kw):
+                    for rec in run_llama_bench([f], settings, exe=exe):
                         test = f"pp{rec['n_prompt']}" if rec["n_prompt"] else f"tg{rec['n_gen']}"
                         theirs.setdefault((f.name, test), []).append(float(rec["avg_ts"]))
         print(f"round {rnd + 1}/{args.rounds} done ({time.time() - t_start:.0f} s)", file=sys.stderr)

@@ -104,9 +104,11 @@ def test_stats_match_llama_bench_formula():
 
 def test_memory_split_q8_0_mmap_vs_no_mmap(q8_gguf):
     from edgellm.profile.bench import bench
+    from edgellm.profile.settings import BenchSettings
 
     size = q8_gguf.stat().st_size
-    rows = bench([q8_gguf], pp=64, tg=16, repetitions=1, threads=1, n_ctx=1024, measure_bandwidth=False, save=False)
+    settings = BenchSettings(pp=64, tg=16, repetitions=1, threads=1, n_ctx=1024)
+    rows = bench([q8_gguf], settings, measure_bandwidth=False, save=False)
     tg = rows[1]
     assert tg.test == "tg16" and tg.n_ctx == 1024
     # mmapped: the weights are resident file-backed pages, about the file's size
@@ -117,9 +119,7 @@ def test_memory_split_q8_0_mmap_vs_no_mmap(q8_gguf):
     assert tg.anon_bytes < 0.5 * size
     assert tg.rss_bytes >= tg.file_backed_bytes + tg.anon_bytes
 
-    rows = bench(
-        [q8_gguf], pp=64, tg=16, repetitions=1, threads=1, n_ctx=1024, use_mmap=False, measure_bandwidth=False, save=False
-    )
+    rows = bench([q8_gguf], settings, use_mmap=False, measure_bandwidth=False, save=False)
     tg2 = rows[1]
     # no mmap: the split flips; the weights are private anonymous memory, nothing of the file stays mapped
     assert tg2.anon_bytes >= size, (tg2.anon_bytes, size)
@@ -185,6 +185,7 @@ def test_cancel_stops_the_child(default_gguf):
 
     from edgellm.errors import Cancelled
     from edgellm.profile.bench import bench
+    from edgellm.profile.settings import BenchSettings
     from edgellm.progress import CancelToken
 
     token = CancelToken()
@@ -198,10 +199,7 @@ def test_cancel_stops_the_child(default_gguf):
     with pytest.raises(Cancelled):
         bench(
             [default_gguf],
-            pp=16,
-            tg=512,
-            repetitions=50,
-            threads=1,
+            BenchSettings(pp=16, tg=512, repetitions=50, threads=1),
             measure_bandwidth=False,
             on_progress=on_progress,
             cancel=token,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import io
-from typing import Any
 
 import click
 
@@ -16,6 +15,7 @@ from edgellm.fsutil import human_size
 from edgellm.profile.bench import bench
 from edgellm.profile.bench_rpc import bench_rpc, render
 from edgellm.profile.results import write_plot
+from edgellm.profile.settings import BenchSettings
 from edgellm.units import SIZE_HELP
 
 CSV_FIELDS = [
@@ -101,16 +101,17 @@ def bench_cmd(
 
     With --rpc: each test runs here and split across the workers, and the network's share of
     the time is reported (with --compare-llama-bench, llama-bench --rpc on the same split)."""
-    tests: dict[str, Any] = dict(
-        pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx, compare_llama_bench=compare_llama_bench
-    )
+    settings = BenchSettings(pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx)
     if rpc or rpc_split:
-        return _bench_rpc(models, rpc, rpc_split, fmt=fmt, no_progress=no_progress, **tests)
+        return _bench_rpc(
+            models, rpc, rpc_split, settings, compare_llama_bench=compare_llama_bench, fmt=fmt, no_progress=no_progress
+        )
 
     with cancellable() as cancel:
         rows = bench(
             list(models),
-            **tests,
+            settings,
+            compare_llama_bench=compare_llama_bench,
             use_mmap=not no_mmap,
             mlock=mlock,
             n_gpu_layers=gpu_layers,
@@ -139,7 +140,7 @@ def bench_cmd(
         click.echo(f"plot written to {plot_path}")
 
 
-def _bench_rpc(models, rpc, rpc_split, *, fmt, no_progress, **kw) -> None:
+def _bench_rpc(models, rpc, rpc_split, settings: BenchSettings, *, compare_llama_bench: bool, fmt, no_progress) -> None:
     if not rpc:
         raise UsageError("--split needs --rpc")
     if len(models) != 1:
@@ -153,11 +154,12 @@ def _bench_rpc(models, rpc, rpc_split, *, fmt, no_progress, **kw) -> None:
         plan, rows = bench_rpc(
             models[0],
             rpc,
+            settings,
             rpc_split=rpc_split,
+            compare_llama_bench=compare_llama_bench,
             on_plan=show,
             cancel=cancel,
             on_progress=progress_bar(not no_progress and fmt is None),
-            **kw,
         )
     if fmt == "json":
         emit_json({"rpc_plan": plan, "rows": [r.to_json() for r in rows]})

@@ -36,13 +36,13 @@ from edgellm.engine import backends, hardware
 from edgellm.engine.gpu import plan_offload
 from edgellm.engine.hardware import SIGNAL_HINTS
 from edgellm.engine.memory import kv_bytes_per_token
-from edgellm.engine.runtime import default_threads
 from edgellm.errors import BackendCrash, Cancelled, RuntimeFailure, UsageError
 from edgellm.gguf.reader import read_gguf, split_set
 from edgellm.models.resolve import resolve
 from edgellm.profile.llama_bench import _attach_llama_bench
 from edgellm.profile.results import machine_id, save_results
 from edgellm.profile.rows import Bandwidth, BenchRow
+from edgellm.profile.settings import BenchSettings
 from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
 
 log = logging.getLogger(__name__)
@@ -56,12 +56,8 @@ BANDWIDTH_BYTES = 256 << 20
 # long: per model: plan, run the child, collect rows, compare with llama-bench, save; one loop a reader follows top to bottom
 def bench(
     paths_or_refs: Sequence[str | Path],
+    settings: BenchSettings = BenchSettings(),
     *,
-    pp: int = 512,
-    tg: int = 128,
-    repetitions: int = 5,
-    threads: Optional[int] = None,
-    n_ctx: Optional[int] = None,
     use_mmap: bool = True,
     mlock: bool = False,
     n_gpu_layers: int | str = 0,
@@ -76,10 +72,10 @@ def bench(
 ) -> list[BenchRow]:
     """Benchmark each model (a store name, catalog ref or GGUF path): a pp row and a tg row per model."""
 
-    _validate(pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx)
+    settings.check()
     if not paths_or_refs:
         raise UsageError("name at least one model to benchmark")
-    n_threads = int(threads or default_threads())
+    n_threads, repetitions = settings.n_threads, settings.repetitions
     targets = []
     for ref in paths_or_refs:
         res = resolve(str(ref))
@@ -91,9 +87,7 @@ def bench(
     # workers below load a variant known to run and spend none of their time on the choice
     backends.choose(targets[0][1], tester=hardware.self_test)
     bw = measure_bandwidth_now(threads=n_threads) if measure_bandwidth else None
-    tests = [{"name": f"pp{pp}", "n_prompt": pp, "n_gen": 0}]
-    if tg:
-        tests.append({"name": f"tg{tg}", "n_prompt": 0, "n_gen": tg})
+    tests = settings.tests()
     mid, stamp = machine_id(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     all_rows: list[BenchRow] = []
     for mi, (label, path, info, files) in enumerate(targets):
@@ -101,22 +95,12 @@ def bench(
             path,
             info,
             n_gpu_layers,
-            ctx=n_ctx or max(pp, tg),
+            ctx=settings.n_ctx or max(settings.pp, settings.tg),
             gpu_device=gpu_device,
             gpu_mem=gpu_mem,
             warn=warn or (lambda m: log.warning("%s", m)),
         )
-        req = {
-            "path": str(path),
-            "files": files,
-            "threads": n_threads,
-            "repetitions": repetitions,
-            "tests": tests,
-            "n_ctx": n_ctx,
-            "use_mmap": use_mmap,
-            "mlock": mlock,
-            **plan.llama_kwargs(),
-        }
+        req = {**settings.request(path, files, use_mmap=use_mmap, mlock=mlock), **plan.llama_kwargs()}
         total = len(tests) * repetitions * len(targets)
 
         def forward(ev: dict[str, Any], mi=mi, label=label, total=total) -> None:
@@ -176,10 +160,7 @@ def bench(
         _attach_llama_bench(
             all_rows,
             [t[1] for t in targets],
-            pp=pp,
-            tg=tg,
-            repetitions=repetitions,
-            threads=n_threads,
+            settings,
             use_mmap=use_mmap,
             mlock=mlock,
             n_gpu_layers=all_rows[0].n_gpu_layers if all_rows else 0,
@@ -200,22 +181,6 @@ def _gpu_plan(path: Path, info, request, *, ctx: int, gpu_device: Optional[str],
     if plan.n_gpu_layers or (plan.requested != "0" and not plan.notes):
         warn(plan.describe())
     return plan
-
-
-def _validate(*, pp: int, tg: int, repetitions: int, threads: Optional[int], n_ctx: Optional[int]) -> None:
-    if pp is None or pp < 1:
-        raise UsageError(f"--pp must be at least 1 (got {pp}): the prompt test needs a prompt")
-    if tg is None or tg < 0:
-        raise UsageError(f"--tg must be 0 or more (got {tg})")
-    if repetitions < 1:
-        raise UsageError(f"-r/--repetitions must be at least 1 (got {repetitions})")
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads must be at least 1 (got {threads})")
-    if n_ctx is not None:
-        if n_ctx < pp:
-            raise UsageError(f"--ctx {n_ctx} is smaller than --pp {pp}: the prompt would not fit in the context")
-        if n_ctx < tg:
-            raise UsageError(f"--ctx {n_ctx} is smaller than --tg {tg}: the generated tokens would not fit in the context")
 
 
 def _run_worker(req: dict[str, Any], *, label: str, on_event, cancel: Optional[CancelToken]) -> tuple[list[dict], dict]:

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from edgellm.engine.rpc import prepare
-from edgellm.engine.runtime import default_threads
 from edgellm.gguf.reader import read_gguf, split_set
 from edgellm.models.resolve import resolve
-from edgellm.profile.bench import _run_worker, _validate
+from edgellm.profile.bench import _run_worker
 from edgellm.profile.llama_bench import run_llama_bench
+from edgellm.profile.settings import BenchSettings
 from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
 
 
@@ -58,40 +58,26 @@ def llama_bench_args(plan: Any) -> list[str]:
     ]
 
 
-# long: one bench run read top to bottom: plan the split, run both sides interleaved, compare; the signature is 15 lines
 def bench_rpc(
     model: str,
     rpc: str,
+    settings: BenchSettings = BenchSettings(),
     *,
     rpc_split: Optional[str] = None,
-    pp: int = 512,
-    tg: int = 128,
-    repetitions: int = 5,
-    threads: Optional[int] = None,
-    n_ctx: Optional[int] = None,
     compare_llama_bench: bool = False,
     on_plan: Callable[[Any], None] = lambda p: None,
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
 ) -> tuple[Any, list[RpcBenchRow]]:
-    _validate(pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx)
+    settings.check()
     res = resolve(str(model))
     read_gguf(res.path)
     label = res.record.name if res.record else res.path.name
-    n_threads = int(threads or default_threads())
-    plan = prepare(res.path, rpc, n_ctx=n_ctx or (pp + tg), split=rpc_split)
+    n_threads, repetitions = settings.n_threads, settings.repetitions
+    plan = prepare(res.path, rpc, n_ctx=settings.n_ctx or (settings.pp + settings.tg), split=rpc_split)
     on_plan(plan)
-    tests = [{"name": f"pp{pp}", "n_prompt": pp, "n_gen": 0}] + ([{"name": f"tg{tg}", "n_prompt": 0, "n_gen": tg}] if tg else [])
-    base = {
-        "path": str(res.path),
-        "files": [str(p) for p in split_set(res.path)],
-        "threads": n_threads,
-        "repetitions": repetitions,
-        "tests": tests,
-        "n_ctx": n_ctx,
-        "use_mmap": True,
-        "mlock": False,
-    }
+    tests = settings.tests()
+    base = settings.request(res.path, [str(p) for p in split_set(res.path)])
     split = {
         "endpoints": [str(w.endpoint) for w in plan.workers],
         "n_gpu_layers": plan.n_gpu_layers,
@@ -124,15 +110,7 @@ def bench_rpc(
             )
         )
     if compare_llama_bench:
-        records = run_llama_bench(
-            [Path(res.path)],
-            pp=pp,
-            tg=tg,
-            repetitions=repetitions,
-            threads=n_threads,
-            extra_args=llama_bench_args(plan),
-            cancel=cancel,
-        )
+        records = run_llama_bench([Path(res.path)], settings, extra_args=llama_bench_args(plan), cancel=cancel)
         by_test = {(int(x["n_prompt"]), int(x["n_gen"])): x for x in records}
         for row in rows:
             x = by_test.get((row.n_prompt, row.n_gen))

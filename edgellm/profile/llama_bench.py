@@ -14,6 +14,7 @@ from typing import Any, Optional
 from edgellm.errors import Cancelled, RuntimeFailure, UsageError
 from edgellm.paths import cache_dir
 from edgellm.profile.rows import BenchRow
+from edgellm.profile.settings import BenchSettings
 from edgellm.progress import CancelToken
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,8 @@ def find_llama_tool(name: str) -> Path:
 
 def run_llama_bench(
     paths: Sequence[Path],
+    settings: BenchSettings,
     *,
-    pp: int,
-    tg: int,
-    repetitions: int,
-    threads: int,
     use_mmap: bool = True,
     mlock: bool = False,
     n_gpu_layers: int = 0,
@@ -73,13 +71,13 @@ def run_llama_bench(
         cmd += ["-m", str(p)]
     cmd += [
         "-p",
-        str(pp),
+        str(settings.pp),
         "-n",
-        str(tg),
+        str(settings.tg),
         "-r",
-        str(repetitions),
+        str(settings.repetitions),
         "-t",
-        str(threads),
+        str(settings.n_threads),
         "-lm",
         mode,
         "-ngl",
@@ -111,8 +109,8 @@ def run_llama_bench(
         raise RuntimeFailure("llama-bench printed no JSON") from None
 
 
-def _attach_llama_bench(rows: list[BenchRow], paths: list[Path], **kw) -> None:
-    records = run_llama_bench(paths, **kw)
+def _attach_llama_bench(rows: list[BenchRow], paths: list[Path], settings: BenchSettings, **kw) -> None:
+    records = run_llama_bench(paths, settings, **kw)
     by_key = {(os.path.realpath(r["model_filename"]), int(r["n_prompt"]), int(r["n_gen"])): r for r in records}
     for row in rows:
         r = by_key.get((os.path.realpath(row.model_filename), row.n_prompt, row.n_gen))

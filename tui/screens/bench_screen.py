@@ -21,6 +21,7 @@ from edgellm.fsutil import human_size
 from edgellm.profile.bench import bench
 from edgellm.profile.bench_rpc import as_bench_rows, bench_rpc
 from edgellm.profile.results import load_bench_results
+from edgellm.profile.settings import BenchSettings
 from tui.screens.base import CANCEL, REFRESH, BaseScreen
 from tui.widgets.chat_settings import gpu_layers
 from tui.widgets.fields import set_choices, steady_cursors
@@ -130,9 +131,7 @@ class BenchScreen(BaseScreen):
                 bench_rpc,
                 model,
                 rpc,
-                pp=pp,
-                tg=tg,
-                repetitions=reps,
+                BenchSettings(pp=pp, tg=tg, repetitions=reps),
                 on_plan=lambda p: warn("\n".join(p.lines())),
                 on_progress=progress,
                 cancel=token,
@@ -144,9 +143,7 @@ class BenchScreen(BaseScreen):
                 f"bench {model}",
                 bench,
                 [model],
-                pp=pp,
-                tg=tg,
-                repetitions=reps,
+                BenchSettings(pp=pp, tg=tg, repetitions=reps),
                 n_gpu_layers=layers,
                 warn=warn,
                 on_progress=progress,
