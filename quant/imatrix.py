@@ -182,7 +182,12 @@ def compute_imatrix(
         cancel.check()
     with atomic_path(target) as tmp:
         tmp.write_bytes(encode(m))
-    atomic_write_text(meta, json.dumps(rec.to_json(), indent=1, sort_keys=True) + "\n")
+    try:
+        atomic_write_text(meta, json.dumps(rec.to_json(), indent=1, sort_keys=True) + "\n")
+    except BaseException:
+        # a second Ctrl-C (or a full disk) between the two renames: no matrix without its record
+        target.unlink(missing_ok=True)
+        raise
     return rec
 
 
@@ -254,6 +259,17 @@ def get_imatrix(name: str) -> ImatrixRecord:
         if rec.name == name:
             return rec
     raise ModelNotFound(f"no importance matrix named '{name}' (see `edgellm imatrix --list`)")
+
+
+def delete_imatrix(name: str) -> ImatrixRecord:
+    """Remove the stored matrix `name` (its .gguf and its .json); the record it had."""
+
+    rec = get_imatrix(name)  # an unknown name is ModelNotFound, whatever it looks like
+    validate_name(name)  # the files are named from it: nothing outside the folder
+    # the JSON first, the reverse of compute_imatrix's order: what is left by a crash between is never listed
+    (folder() / f"{name}.json").unlink(missing_ok=True)
+    (folder() / f"{name}.gguf").unlink(missing_ok=True)
+    return rec
 
 
 @dataclass
@@ -340,6 +356,7 @@ __all__ = [
     "choose_imatrix",
     "list_imatrices",
     "get_imatrix",
+    "delete_imatrix",
     "calibration_text",
     "Collector",
     "ImatrixRecord",

@@ -93,6 +93,21 @@ def test_imatrix_cli_stores_with_lineage(cli, f16_model, edgellm_home):
     assert "already exists" in again.stderr
 
 
+def test_imatrix_cli_delete_removes_both_files(cli, f16_model, edgellm_home):
+    made = cli("imatrix", F16_NAME, "--chunks", "1", "--threads", "2", "--json")
+    assert made.exit_code == 0, made
+    name = made.json()["name"]
+    res = cli("imatrix", "--delete", name, "--json")
+    assert res.exit_code == 0, res
+    assert res.json() == made.json()  # the record as it was
+    assert list((edgellm_home / "imatrix").iterdir()) == []
+    assert cli("imatrix", "--list", "--json").json() == []
+    for args in (["--delete", name], ["--delete", "../index"], ["--delete", name, F16_NAME]):
+        again = cli("imatrix", *args)
+        assert_one_line_error(again)
+    assert "no importance matrix named" in cli("imatrix", "--delete", name).stderr
+
+
 def test_matches_llama_imatrix(session_imatrix, reference_imatrix):
     """Same sums and counts as llama-imatrix built from the same tree (per tensor, relative <= 1e-4)."""
     from quant.imatrix_file import read_imatrix

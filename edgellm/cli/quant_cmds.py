@@ -186,9 +186,10 @@ def convert_cmd(model, to, output, name, force, as_json, no_progress) -> None:
 @click.option("--threads", type=int, help="Threads for llama.cpp (default: physical cores).")
 @click.option("--force", is_flag=True, help="Replace a stored matrix of the same name.")
 @click.option("--list", "list_", is_flag=True, help="List the stored importance matrices.")
+@click.option("--delete", "delete", metavar="NAME", help="Delete a stored importance matrix (its .gguf and .json).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def imatrix_cmd(model, text, ctx, chunks, name, threads, force, list_, as_json, no_progress) -> None:
+def imatrix_cmd(model, text, ctx, chunks, name, threads, force, list_, delete, as_json, no_progress) -> None:
     """Compute MODEL's importance matrix, as llama-imatrix does, and store it.
 
     The matrix (mean squared activation entering each weight matrix) lets
@@ -201,9 +202,19 @@ def imatrix_cmd(model, text, ctx, chunks, name, threads, force, list_, as_json, 
       edgellm imatrix smollm2-135m-instruct-f16
       edgellm imatrix smollm2-135m-instruct-f16 --text notes.txt --chunks 32 --json
       edgellm quantize smollm2-135m-instruct-f16 -l iq2_xs --imatrix auto
+      edgellm imatrix --delete smollm2-135m-instruct-f16-imatrix
     """
-    from quant.imatrix import compute_imatrix, describe, list_imatrices  # numpy: only for `imatrix`
+    from quant.imatrix import compute_imatrix, delete_imatrix, describe, list_imatrices  # numpy: only for `imatrix`
 
+    if delete:
+        if model or list_:
+            raise UsageError("--delete takes a matrix NAME only: no MODEL, no --list")
+        rec = delete_imatrix(delete)
+        if as_json:
+            emit_json(rec.to_json())  # the record as it was, as `models rm --json` gives the removed models
+        else:
+            click.echo(f"deleted {rec.name}")
+        return
     if list_:
         recs = list_imatrices()
         if as_json:
@@ -213,7 +224,7 @@ def imatrix_cmd(model, text, ctx, chunks, name, threads, force, list_, as_json, 
                 click.echo(describe(r))
         return
     if not model:
-        raise UsageError("give a MODEL (store name or GGUF path), or --list")
+        raise UsageError("give a MODEL (store name or GGUF path), or --list or --delete NAME")
     with running_job(not no_progress and not as_json) as (bar, token):
         rec = compute_imatrix(
             model, text=text, ctx=ctx, chunks=chunks, name=name, force=force, threads=threads, on_progress=bar, cancel=token
