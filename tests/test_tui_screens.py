@@ -150,3 +150,67 @@ def test_snapshot(snap_compare, keys, edgellm_home):
             await settled(pilot)
 
     assert snap_compare(make(), terminal_size=SIZE, run_before=show)
+
+
+# A saved evaluation as `edgellm eval` writes it: llama.cpp's levels and edgellm's imatrix/--budget files of
+# one base, one of them scored on its own calibration text. Fixed figures, so the snapshot holds anywhere.
+_FRONTIER = [  # name suffix, level, size, mean KLD, ΔPPL %, same top %
+    ("q4_0", "q4_0", 85_847_360, 0.1456, 9.81, 83.1),
+    ("q4_0-imat", "q4_0", 85_847_360, 0.0981, 6.52, 86.4),
+    ("budget-100mb", "q4_k_m", 99_981_312, 0.0405, 2.77, 91.0),
+    ("q4_k_m", "q4_k_m", 105_454_144, 0.0562, 3.93, 89.7),
+    ("q5_k_m", "q5_k_m", 112_032_000, 0.0213, 1.42, 93.6),
+    ("q8_0", "q8_0", 144_811_840, 0.0021, 0.10, 98.2),
+]
+
+
+def _save_frontier_report() -> None:
+    import dataclasses
+    import types
+
+    from support.eval_reports import eval_report, level_eval
+
+    from edgellm.models.store import ModelRecord
+    from quant.evaluate import save_report
+    from quant.imatrix import calibration_warnings
+
+    base, base_ppl, sha = "smollm2-135m-instruct-f16", 17.52, "3f1c0a9e5b2d" + "0" * 52
+    levels = [
+        dataclasses.replace(
+            level_eval(f"smollm2-135m-instruct-{tag}", level, size, kld),
+            path=f"/nonexistent/{tag}.gguf",  # gone from the store: sized from the report, as recommend() does
+            ppl=base_ppl * (1 + dppl / 100),
+            dppl_pct=dppl,
+            same_top_p=top,
+            tokens_per_second=900.0,
+        )
+        for tag, level, size, kld, dppl, top in _FRONTIER
+    ]
+    # The warning in the core's own words: the imatrix file's lineage names this very text.
+    lineage = {"imatrix": {"text": "calibration.txt", "text_sha256": sha}}
+    store = types.SimpleNamespace(
+        find=lambda n: ModelRecord(name=n, files=[], size_bytes=0, sha256="", extra=lineage) if n.endswith("-imat") else None
+    )
+    save_report(
+        eval_report(
+            levels,
+            base=base,
+            base_path="/nonexistent/base.gguf",
+            base_level="f16",
+            base_size_bytes=270_898_432,
+            base_ppl=base_ppl,
+            parameters=134_515_008,
+            corpus="calibration.txt",
+            corpus_sha256=sha,
+            ctx=512,
+            chunks=4,
+            created=1_700_000_000.0,
+            warnings=calibration_warnings([lv.name for lv in levels], sha, store),
+        )
+    )
+
+
+def test_snapshot_evaluate_frontier(snap_compare, edgellm_home):
+    """Evaluate on a saved report: the two series, recommend()'s pick (★) and the calibration warning."""
+    _save_frontier_report()
+    assert snap_compare(make(initial="evaluate"), terminal_size=SIZE, run_before=settled)
