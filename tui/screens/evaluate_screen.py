@@ -36,9 +36,13 @@ NO_OUTPUTS = "(no imatrix or --budget outputs of this base)"
 
 class EvaluateScreen(BaseScreen):
     MODE = "evaluate"
-    # The warnings line is this screen's alone: kept with it rather than in the shared stylesheet.
+    # This screen's alone, so kept with it rather than in the shared stylesheet: the warnings line, and
+    # the Stored picker on one line (a compact Select) so the chart keeps its rows at 80x24.
     DEFAULT_CSS = """
     #eval-warnings { display: none; height: auto; max-height: 25%; padding: 0 1; color: $text-warning; background: $warning-muted; }
+    #eval-form-stored { height: 1; }
+    #eval-form-stored Label { width: 10; padding: 0 0 0 1; text-style: bold; }
+    #eval-stored { width: 1fr; margin-right: 2; }
     """
     BINDINGS = [Binding("g", "run", "Run eval"), CANCEL, Binding("k", "toggle_metric", "KLD/ΔPPL chart"), REFRESH]
     CANCELLING = "cancelling the evaluation..."
@@ -58,13 +62,14 @@ class EvaluateScreen(BaseScreen):
                 id="eval-levels",
                 tooltip="levels to quantize and compare, or stored model names, comma-separated",
             )
-        with Horizontal(id="eval-form-stored", classes="form-row"):
-            yield Label("Stored", classes="lead")
+        with Horizontal(id="eval-form-stored"):  # not a .form-row: one line, not three
+            yield Label("Stored")
             yield Select(
                 [],
                 prompt=NO_OUTPUTS,
                 id="eval-stored",
                 allow_blank=True,
+                compact=True,
                 tooltip="the base's stored imatrix and --budget/--recipe outputs: picking one adds its name to Levels",
             )
         with Horizontal(id="eval-form2", classes="form-row"):
