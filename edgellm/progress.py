@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from edgellm.errors import Cancelled
@@ -48,6 +48,24 @@ ProgressCallback = Callable[[Progress], None]
 
 def no_progress(_: Progress) -> None:
     """The default callback: jobs never have to test for None."""
+
+
+def staged(on_progress: ProgressCallback, stages: tuple[str, ...], name: str) -> ProgressCallback:
+    """The callback for one stage of a job made of `stages`: each event's task reads "2/4 calibrate: ...",
+    so a bar (CLI or TUI) says where a long job is without knowing the job."""
+    prefix = f"{stages.index(name) + 1}/{len(stages)} {name}{_STAGE_END}"
+    return lambda p: on_progress(replace(p, task=prefix + p.task))
+
+
+_STAGE_END = ": "
+
+
+def stage_of(p: Progress) -> str:
+    """ "2/4 calibrate" for an event of a `staged` job, "" for any other: what a bar shows of where the job is."""
+    head, sep, _ = p.task.partition(_STAGE_END)
+    count, _, name = head.partition(" ")
+    done, slash, total = count.partition("/")
+    return head if sep and name and slash and done.isdigit() and total.isdigit() else ""
 
 
 class CancelToken:

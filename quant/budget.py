@@ -40,20 +40,20 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
-from edgellm import paths, units
+from edgellm import units
 from edgellm.engine.memory import DEFAULT_CTX, available_ram, default_threads, weights_room
 from edgellm.errors import QuantizeError, UsageError
 from edgellm.fsutil import atomic_write_text, sha256_file
 from edgellm.gguf.layout import read_tensors
 from edgellm.gguf.reader import GGUFInfo
 from edgellm.models.store import Store
-from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
+from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress, staged
 from quant import sensitivity
 from quant._common import BaseInput, base_name
 from quant._ggml import ggml
@@ -62,9 +62,12 @@ from quant.allocate import hull as hull_of
 from quant.imatrix import ImatrixChoice, calibration_text
 from quant.imatrix_file import IMatrix
 from quant.quantize import QuantizeResult
-from quant.recipe import FILE_TYPE, TYPES, Recipe, RecipeJob, llama_quantize_text, resolve_base
+from quant.recipe import FILE_TYPE, TYPES, Recipe, RecipeJob, llama_quantize_text, recipes_folder, resolve_base
 
 SAMPLE_ROWS = 256
+# What a --budget job reports, in order (its progress tasks are prefixed "2/4 calibrate: ..."):
+# the proxy error of every matrix in every type, the probes on the calibration text, the allocation, the file.
+STAGES = ("measure", "calibrate", "allocate", "quantize")
 
 
 @dataclass
@@ -344,7 +347,10 @@ def plan(
     t0 = time.perf_counter()
     model_path, info, rec = src.path, src.info, src.resolved.record
     types, excl, overhead, smallest = check_budget(model_path, info, budget, exclude)
-    mats, kept = measure(model_path, imatrix.matrix, types, cancel=cancel, on_progress=on_progress, threads=threads)
+    progress = on_progress or no_progress
+    mats, kept = measure(
+        model_path, imatrix.matrix, types, cancel=cancel, on_progress=staged(progress, STAGES, "measure"), threads=threads
+    )
     limit = budget.bytes - overhead - kept
     calibration: dict[str, Any] = {}
     if calibrate:
@@ -359,10 +365,11 @@ def plan(
             imatrix_sha256=imatrix.sha256 or "none",
             threads=threads,
             cancel=cancel,
-            on_progress=on_progress,
+            on_progress=staged(progress, STAGES, "calibrate"),
         )
     else:
         choice, used = allocate(mats, limit)
+    staged(progress, STAGES, "allocate")(Progress("per-tensor types", 1, 1, "recipe", message=f"{len(mats)} matrices"))
     return Recipe(
         architecture=info.architecture,
         block_count=info.block_count,
@@ -412,7 +419,7 @@ def quantize_to_budget(
     recipe = plan(job.src, choice, b, exclude=exclude, cancel=cancel, on_progress=on_progress, threads=threads)
     recipe.model, recipe.imatrix = resolved.label, choice.lineage()
     label = "budget-" + re.sub(r"[^a-z0-9.]", "", budget.lower())
-    jpath = paths.home() / "recipes" / f"{base_name(resolved, info)}-{label}.json"
+    jpath = recipes_folder() / f"{base_name(resolved, info)}-{label}.json"
     recipe.file = str(jpath)
     atomic_write_text(jpath, json.dumps(recipe.to_json(), indent=1) + "\n")
     atomic_write_text(jpath.with_suffix(".txt"), llama_quantize_text(recipe.tensor_types))
@@ -426,7 +433,7 @@ def quantize_to_budget(
         "search_seconds": recipe.search_seconds,
     }
     try:
-        res = job.quantize(recipe, lineage, label, choice)
+        res = replace(job, on_progress=staged(on_progress, STAGES, "quantize")).quantize(recipe, lineage, label, choice)
     except BaseException:
         for p in written:
             p.unlink(missing_ok=True)

@@ -55,3 +55,14 @@ def test_pull_of_the_default_model_piped_to_a_file_writes_at_most_12_progress_li
     assert 1 <= len(progress) <= 12, progress
     assert "100.0%" in progress[-1]
     assert (tmp_path / "out.txt").read_text().startswith("smollm2-135m-instruct")  # the result, on stdout
+
+
+def test_a_staged_job_names_its_stage_and_other_tasks_name_none():
+    from edgellm.progress import Progress, staged, stage_of
+
+    seen: list[Progress] = []
+    staged(seen.append, ("measure", "calibrate", "allocate", "quantize"), "calibrate")(Progress("probe", 1, 4, "probe"))
+    assert seen[0].task == "2/4 calibrate: probe" and (seen[0].done, seen[0].total) == (1, 4)
+    assert stage_of(seen[0]) == "2/4 calibrate"
+    # a plain task with a colon in it is not a stage
+    assert stage_of(Progress("extract a: b", 0)) == "" and stage_of(Progress("1/2: x", 0)) == ""
