@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from edgellm import paths
 from edgellm.errors import QuantizeError, UsageError
 from edgellm.gguf.layout import model_matmul_widths
 from edgellm.models.store import Store
@@ -65,6 +67,41 @@ class Recipe:
 
     def overrides(self) -> list[tuple[str, int]]:
         return tt_overrides(self.tensor_types)
+
+
+def recipes_folder() -> Path:
+    """Where `--budget` saves its recipes (JSON, and the same types as a llama-quantize --tensor-type-file)."""
+    return paths.home() / "recipes"
+
+
+@dataclass(frozen=True)
+class SavedRecipe:
+    """A stored recipe as a picker lists it: what it was made for, for which budget, and when."""
+
+    path: Path
+    architecture: str
+    model: str
+    budget: str  # the budget as typed: "88MB", "4.5bpw", "ram (...)"
+    predicted_bytes: int
+    created: float  # the file's modification time
+
+    def describe(self) -> str:
+        day = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.created))
+        return f"{self.path.stem}  {self.architecture}  {self.budget}  {day}"
+
+
+def list_recipes() -> list[SavedRecipe]:
+    """The stored recipes, newest first; an unreadable file is skipped (it names no architecture to apply to)."""
+    d = recipes_folder()
+    out = []
+    for p in d.glob("*.json") if d.is_dir() else []:
+        try:
+            r = load_recipe(p)
+            created = p.stat().st_mtime
+        except (QuantizeError, UsageError, OSError):
+            continue
+        out.append(SavedRecipe(p, r.architecture, r.model or "", str(r.budget.get("text", "")), r.predicted_bytes, created))
+    return sorted(out, key=lambda r: r.created, reverse=True)
 
 
 def load_recipe(path: Path | str) -> Recipe:
