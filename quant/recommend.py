@@ -17,7 +17,7 @@ from edgellm.errors import EvalError, GGUFError, InsufficientResources, UsageErr
 from edgellm.fsutil import human_size
 from edgellm.gguf.reader import read_gguf
 from edgellm.profile.results import load_bench_results
-from quant.evaluate import EvalReport, LevelEval, load_eval_results
+from quant.evaluate import EvalReport, LevelEval, level_tag, load_eval_results
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +107,12 @@ def recommend(ram_bytes: Optional[int] = None, ctx: Optional[int] = None) -> Rec
         raise EvalError("no saved eval results; run `edgellm eval BASE --levels q4_0,q4_k_m,q5_k_m,q8_0` first")
     ram = int(ram_bytes if ram_bytes is not None else available_ram())
     n_ctx = int(ctx or MEMORY_CTX)
-    # Per (base, level): the measurement over the most tokens, the newest on a tie.
+    # Per (base, file): the measurement over the most tokens, the newest on a tie. The file, not its header's
+    # level: a --budget file records q4_k_m and an imatrix Q4_0 q4_0, and each must compete with the stock one.
     chosen: dict[tuple[str, str], tuple[EvalReport, LevelEval]] = {}
     for r in sorted(reports, key=lambda r: (r.n_tokens_scored, r.created), reverse=True):
         for lv in r.levels:
-            chosen.setdefault((r.base, lv.level), (r, lv))
+            chosen.setdefault((r.base, lv.name), (r, lv))
     speeds = _bench_speeds()
     cands: list[tuple[int, Candidate]] = []
     for r, lv in chosen.values():
@@ -121,7 +122,7 @@ def recommend(ram_bytes: Optional[int] = None, ctx: Optional[int] = None) -> Rec
                 r.parameters,
                 Candidate(
                     base=r.base,
-                    level=lv.level,
+                    level=level_tag(r, lv),
                     name=lv.name,
                     size_bytes=lv.size_bytes,
                     need_bytes=need,

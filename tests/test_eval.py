@@ -240,3 +240,28 @@ def test_plot_needs_png_suffix_and_base_lineage_from_name(tmp_path):
     w = lineage_warning(Resolved(Path("/m/SmolLM2-135M-Instruct.Q4_1-f16.gguf"), None), Info(), None)
     assert w and "q4_1" in w
     assert lineage_warning(Resolved(Path("/m/llama-7b-f16.gguf"), None), Info(), None) is None
+
+
+def test_recommend_ranks_a_budget_file_apart_from_the_stock_level_its_header_names(edgellm_home):
+    """A --budget file records q4_k_m and an imatrix Q4_0 records q4_0: each is its own candidate."""
+    import dataclasses
+
+    from support.eval_reports import eval_report, level_eval
+
+    from quant.evaluate import save_report
+    from quant.recommend import recommend
+
+    levels = [
+        dataclasses.replace(level_eval(f"m-{tag}", level, size, kld), path=f"/nonexistent/{tag}.gguf")
+        for tag, level, size, kld in [
+            ("q4_0", "q4_0", 85_847_360, 0.1456),
+            ("q4_0-imat", "q4_0", 85_847_360, 0.0981),
+            ("q4_k_m", "q4_k_m", 105_454_144, 0.0562),
+            ("budget-100mb", "q4_k_m", 99_981_312, 0.0405),
+        ]
+    ]
+    save_report(eval_report(levels, base="m-f16", base_level="f16", parameters=134_515_008, ctx=512, chunks=4))
+    rec = recommend(ram_bytes=64 << 30)
+    assert sorted(c.name for c in rec.considered) == sorted(lv.name for lv in levels)
+    assert (rec.best.name, rec.best.level) == ("m-budget-100mb", "budget-100mb")
+    assert rec.runner_up is not None and rec.runner_up.name == "m-q4_k_m"
