@@ -1,6 +1,8 @@
 """Bench: run the profiler (edgellm.profile.bench.bench) on a model; pp/tg tokens/s,
-the memory split (file-backed weights vs anonymous KV/compute), and a
-sparkline of tokens/s over the run. The GPU-layers setting and the RPC
+the share of the generation roofline reached and the memory read bandwidth it
+is measured against (as `edgellm bench` prints them), the memory split
+(file-backed weights vs anonymous KV/compute), and a sparkline of tokens/s
+over the run. The GPU-layers setting and the RPC
 workers (configured on the System screen) are the CLI's --gpu-layers and
 --rpc: each row shows the layers offloaded and the device/host bytes."""
 
@@ -13,7 +15,7 @@ from rich.table import Table
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal
+from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Checkbox, DataTable, Input, Label, Select, Sparkline, Static
 
 from edgellm.errors import UsageError
@@ -74,7 +76,7 @@ class BenchScreen(BaseScreen):
             yield Input("0", id="bench-gpu-layers", tooltip="layers to offload: N, all, auto (what fits) or 0", classes="num")
             yield Checkbox("split over the RPC workers (set on the System screen)", id="bench-rpc")
         yield JobBar(id="bench-job", idle="no benchmark running")
-        with Horizontal(id="bench-body"):
+        with Vertical(id="bench-body"):
             yield DataTable(id="bench-results", cursor_type="row")
             yield Static("Memory: run a benchmark.", id="bench-mem")
         yield Label(
@@ -88,7 +90,7 @@ class BenchScreen(BaseScreen):
     def on_mount(self) -> None:
         steady_cursors(self)
         self.query_one("#bench-results", DataTable).add_columns(
-            "Model", "Test", "tok/s", "±", "TTFT s", "Load s", "GPU layers", "Device", "Host"
+            "Model", "Test", "tok/s", "±", "Roofline", "Read BW", "TTFT s", "Load s", "GPU layers", "Device", "Host"
         )
         self.action_refresh()
 
@@ -172,6 +174,10 @@ class BenchScreen(BaseScreen):
                         d["test"],
                         _f(d["avg_ts"], 1),
                         _f(d["stddev_ts"], 1),
+                        # the core's figures; a row saved before they existed, or one they do not
+                        # apply to (the roofline is generation's; a split run measures no bandwidth), has none
+                        _percent(d.get("roofline_fraction")),
+                        _rate(d.get("bandwidth_bytes_per_s")),
                         _f(d["ttft_seconds"], 3),
                         _f(d["load_seconds"], 2),
                         str(d.get("n_gpu_layers", 0)),
@@ -206,6 +212,14 @@ class BenchScreen(BaseScreen):
 
 def _bytes(v: Any) -> str:
     return human_size(v) if v else "-"
+
+
+def _percent(v: Any) -> str:
+    return "-" if v is None else f"{100 * float(v):.0f}%"
+
+
+def _rate(v: Any) -> str:
+    return f"{human_size(v)}/s" if v else "-"
 
 
 def memory_split(d: dict) -> Table:
