@@ -1,6 +1,8 @@
 """Chat: a streamed conversation with a local model, its saved sessions
 (resume, delete, export) and its settings (model, threads, ctx, GPU layers,
-device and memory, the RPC workers, sampling, system prompt), with tokens/s and RSS live in a status line.
+device and memory, the RPC workers, sampling, speculative decoding, system
+prompt), with tokens/s and RSS live in a status line and, after a reply that
+drafted, the drafted tokens accepted.
 
 The conversation itself (template, KV reuse, history files) is
 edgellm.chat.session's; this screen only forwards text and renders the pieces.
@@ -22,6 +24,7 @@ from textual.timer import Timer
 from textual.widgets import DataTable, Input, Label, Markdown, Static, TabbedContent, TabPane
 
 from edgellm import paths
+from edgellm.chat import draft as chat_draft
 from edgellm.chat import history
 from edgellm.chat.session import ChatSession, open_session
 from edgellm.engine.rpc_loss import LossGuard
@@ -68,6 +71,7 @@ class ChatScreen(BaseScreen):
         super().__init__()
         self.session: Optional[ChatSession] = None  # once a model is loaded
         self.session_key: Optional[tuple] = None  # the settings it was opened with
+        self.drafting: Optional[chat_draft.DraftChoice] = None  # what drafts for the session (chat --draft)
         self.token = None
         self.generating = False
         self.stream_updates = 0  # how many times the reply grew on screen (tests read it)
@@ -175,6 +179,8 @@ class ChatScreen(BaseScreen):
         acc: list[str] = []
         last = [0.0]
 
+        warn = lambda m: self.ui(self.notify, m, severity="warning")  # noqa: E731
+
         def call() -> Optional[GenerationStats]:
             if self.session is None or self.session_key != key:
                 self.ui(self._status_text, f"loading {s['model']}...")
@@ -186,11 +192,18 @@ class ChatScreen(BaseScreen):
                     sampling,
                     system=None if self._resume_id else s["system"] or None,
                     resume=self._resume_id,
-                    warn=lambda m: self.ui(self.notify, m, severity="warning"),
+                    warn=warn,
                 )
+                self.ui(self._show_plans, self.session.runtime)
+                try:  # a draft model that cannot draft for this one fails the message, as it fails the CLI
+                    self.drafting = chat_draft.attach(self.session.runtime, s["draft"], warn=warn)
+                except BaseException:
+                    self._close_session()
+                    raise
                 self.session_key = key
                 self._resume_id = None
-                self.ui(self._show_plans, self.session.runtime)
+            assert self.drafting is not None  # attached with the session
+            sampling.draft = self.drafting.mode
             self.session.sampling = sampling  # sampling changes need no reload
             for piece in self.session.send(text, cancel=token):
                 acc.append(piece)
@@ -222,7 +235,7 @@ class ChatScreen(BaseScreen):
     def _worker_lost(self, _msg: str) -> None:
         # Called on the parked thread. The session's model has layers on the dead worker: dropped,
         # not closed (freeing it would talk to that worker again); the next message loads afresh.
-        self.session, self.session_key = None, None
+        self.session, self.session_key, self.drafting = None, None, None
 
     def _show_plans(self, runtime: Runtime) -> None:
         """Where the layers went, in the conversation, after each (re)load: the GPU plan that ran
@@ -301,8 +314,10 @@ class ChatScreen(BaseScreen):
             self._status_idle()
             return
         rss = LiveSampler().snapshot().rss_bytes
+        # the core's counters, as `chat --json` reports them: accepted of the drafted tokens
+        drafts = f" · drafts {stats.draft_accepted}/{stats.draft_tokens} accepted" if stats.draft != "off" else ""
         self._status_text(
-            f"{self.settings()['model']} · {stats.generated_tokens} tokens at {stats.tokens_per_second:.1f} tok/s"
+            f"{self.settings()['model']} · {stats.generated_tokens} tokens at {stats.tokens_per_second:.1f} tok/s{drafts}"
             f" · prompt {stats.evaluated_prompt_tokens} new/{stats.reused_tokens} reused · RSS {human_size(rss)}"
         )
 
@@ -372,9 +387,12 @@ class ChatScreen(BaseScreen):
 
     def _close_session(self) -> None:
         sess, self.session = self.session, None
+        drafting, self.drafting = self.drafting, None
         if sess is not None:
-            try:
+            try:  # in the CLI's order: the session, the draft model, the model it drafts for
                 sess.close()
+                if drafting is not None:
+                    drafting.close()
                 sess.runtime.close()
             except Exception:
                 log.debug("closing the chat session failed", exc_info=True)

@@ -1,5 +1,6 @@
-"""The Chat screen's Settings tab: the model, the load options and sampling,
-each field labelled, read back as the core's own option dataclasses.
+"""The Chat screen's Settings tab: the model, the load options, sampling and
+speculative decoding, each field labelled, read back as the core's own option
+dataclasses (and `draft()`, the value `edgellm chat --draft` takes).
 
 A field that does not parse is an error naming the field, never a silent
 default: a typo in "Temperature" must not chat at 0.8 without saying so.
@@ -9,13 +10,14 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from textual import getters
+from textual import getters, on
 from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Checkbox, Input, Label, Select
 
 from edgellm.engine.gpu import parse_size
 from edgellm.engine.runtime import RuntimeOptions, SamplingParams
+from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, DRAFT_MODES
 from edgellm.errors import UsageError
 from tui.state import AppState
 from tui.widgets.fields import set_choices
@@ -36,9 +38,15 @@ FIELDS = [
     ("max_tokens", "Max tokens", str(_S.max_tokens), ""),
     ("seed", "Seed", "", "random"),
 ]
-LABELS = {key: label for key, label, _, _ in FIELDS}
-# Changing one of these needs the model reloaded; sampling applies at the next turn.
-RELOAD_KEYS = ("model", "threads", "ctx", "gpu_layers", "gpu_device", "gpu_mem", "rpc", "system")
+# speculative decoding (the CLI's --draft and --draft-max): the mode, the draft model, the length
+DRAFT_LENGTH = ("draft_max", "Draft length", "", f"auto, at most {DEFAULT_DRAFT_MAX} tokens a step")
+LABELS = {key: label for key, label, _, _ in [*FIELDS, DRAFT_LENGTH]}
+# the core's draft modes (SamplingParams.draft), as the select names them
+MODE_NAMES = {"off": "off", "ngram": "n-gram", "model": "draft model"}
+AUTO = "auto"  # chat --draft auto: the smallest stored model of the same vocabulary
+# Changing one of these needs the model reloaded (a draft model is loaded beside it, and drafting turns
+# flash attention on); sampling, the draft length included, applies at the next turn.
+RELOAD_KEYS = ("model", "threads", "ctx", "gpu_layers", "gpu_device", "gpu_mem", "rpc", "system", "draft")
 
 
 class ChatSettings(VerticalScroll):
@@ -48,6 +56,24 @@ class ChatSettings(VerticalScroll):
         with Horizontal(classes="setting"):
             yield Label("Model")
             yield Select([], prompt="(no models)", id="set-model", allow_blank=True)
+        # the draft model and how it drafts, beside the model it drafts for
+        with Horizontal(classes="setting"):
+            yield Label("Speculation")
+            yield Select([(MODE_NAMES.get(m, m), m) for m in DRAFT_MODES], value="off", id="set-draft", allow_blank=False)
+        with Horizontal(classes="setting"):
+            yield Label("Draft model")
+            yield Select(
+                [(AUTO, AUTO)],
+                value=AUTO,
+                id="set-draft-model",
+                allow_blank=False,
+                disabled=True,
+                tooltip="for the draft model mode: a smaller stored model of the same vocabulary; auto: the smallest",
+            )
+        key, label, default, ph = DRAFT_LENGTH
+        with Horizontal(classes="setting"):
+            yield Label(label)
+            yield Input(default, placeholder=ph, id=f"set-{key}")
         for key, label, default, ph in FIELDS:
             with Horizontal(classes="setting"):
                 yield Label(label)
@@ -66,10 +92,26 @@ class ChatSettings(VerticalScroll):
         # the workers as configured now: a changed list is a reload too
         v["rpc"] = self.app.rpc_workers if self.query_one("#set-rpc", Checkbox).value else ""
         v["use_rpc"] = "yes" if self.query_one("#set-rpc", Checkbox).value else ""
+        v["draft_max"] = self.query_one(f"#set-{DRAFT_LENGTH[0]}", Input).value.strip()
+        v["draft"] = self.draft()
         return v
+
+    def draft(self) -> str:
+        """What `chat --draft` takes: off, ngram, or the draft model's name (or auto)."""
+        mode = self.query_one("#set-draft", Select).value
+        if mode != "model":
+            return mode if isinstance(mode, str) else "off"
+        picked = self.query_one("#set-draft-model", Select).value
+        return picked if isinstance(picked, str) else AUTO
+
+    @on(Select.Changed, "#set-draft")
+    def _mode_changed(self, event: Select.Changed) -> None:
+        # the draft model matters only to the "draft model" mode
+        self.query_one("#set-draft-model", Select).disabled = event.value != "model"
 
     def set_models(self, names: list[str], default: str = "") -> None:
         set_choices(self.query_one("#set-model", Select), names, default)
+        set_choices(self.query_one("#set-draft-model", Select), [AUTO, *names], AUTO)
 
     def reload_key(self) -> tuple:
         v = self.values()
@@ -86,6 +128,9 @@ class ChatSettings(VerticalScroll):
             gpu_device=v["gpu_device"] or None,
             gpu_mem=gpu_mem(v["gpu_mem"]),
             rpc=v["rpc"] or None,
+            # as chat --flash-attn auto with --draft: on, since its kernel rounds a verify batch as it rounds
+            # one token, so the drafted reply is the plain one; without drafts the core's default
+            flash_attn=True if v["draft"] != "off" else None,
         )
 
     def sampling(self) -> SamplingParams:
@@ -98,6 +143,8 @@ class ChatSettings(VerticalScroll):
             repeat_penalty=_float(v["repeat_penalty"], "repeat_penalty"),
             max_tokens=_int(v["max_tokens"], "max_tokens", lo=1),
             seed=_opt_int(v["seed"], "seed"),
+            # the mode is set once the draft is attached (chat_draft.attach), as the CLI does
+            draft_max=_opt_int(v["draft_max"], "draft_max", lo=0) or 0,
         )
 
 
