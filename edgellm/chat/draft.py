@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from edgellm.engine.runtime import Runtime
-from edgellm.engine.speculative import DraftMismatch
+from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, DraftMismatch
 from edgellm.errors import UsageError
 from edgellm.models.resolve import resolve
 from edgellm.models.store import Store
@@ -43,6 +43,19 @@ def parse_draft(value: Optional[str]) -> str:
     if not v:
         raise UsageError("--draft takes ngram, auto, off or a model")
     return v.lower() if v.lower() in ("off", "ngram", "auto", "none") else v
+
+
+def flash_attn(draft: str) -> Optional[bool]:
+    """Flash attention for `--flash-attn auto`: on while drafting, since its kernel rounds a verify batch as it
+    rounds one token, so a drafted reply is the plain one (off, a batch changed 4 of 8 replies); else the default."""
+    return True if parse_draft(draft) not in ("off", "none") else None
+
+
+def check_draft_max(n: int) -> int:
+    """`--draft-max N`: 0 is the default length; a negative one would silently never draft."""
+    if n < 0:
+        raise UsageError(f"--draft-max must be 0 (the default, {DEFAULT_DRAFT_MAX}) or more, not {n}")
+    return n
 
 
 def attach(

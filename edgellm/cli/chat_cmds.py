@@ -168,7 +168,7 @@ def chat_cmd(
     resolved = resolve(model)
 
     draft = chat_draft.parse_draft(draft)
-    fa = {"on": True, "off": False}.get(flash_attn, True if draft not in ("off", "none") else None)
+    fa = {"on": True, "off": False}.get(flash_attn, chat_draft.flash_attn(draft))
     opts = RuntimeOptions(
         n_ctx=n_ctx,
         n_threads=threads,
@@ -193,7 +193,7 @@ def chat_cmd(
         seed=seed,
         max_tokens=max_tokens,
         stop=list(stop),
-        draft_max=draft_max,
+        draft_max=chat_draft.check_draft_max(draft_max),
     )
     history = False if no_history else None
     session = open_session(

@@ -15,6 +15,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Checkbox, Input, Label, Select
 
+from edgellm.chat import draft as chat_draft
 from edgellm.engine.gpu import parse_size
 from edgellm.engine.runtime import RuntimeOptions, SamplingParams
 from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, DRAFT_MODES
@@ -128,9 +129,7 @@ class ChatSettings(VerticalScroll):
             gpu_device=v["gpu_device"] or None,
             gpu_mem=gpu_mem(v["gpu_mem"]),
             rpc=v["rpc"] or None,
-            # as chat --flash-attn auto with --draft: on, since its kernel rounds a verify batch as it rounds
-            # one token, so the drafted reply is the plain one; without drafts the core's default
-            flash_attn=True if v["draft"] != "off" else None,
+            flash_attn=chat_draft.flash_attn(v["draft"]),  # as chat --flash-attn auto
         )
 
     def sampling(self) -> SamplingParams:
@@ -144,7 +143,7 @@ class ChatSettings(VerticalScroll):
             max_tokens=_int(v["max_tokens"], "max_tokens", lo=1),
             seed=_opt_int(v["seed"], "seed"),
             # the mode is set once the draft is attached (chat_draft.attach), as the CLI does
-            draft_max=_opt_int(v["draft_max"], "draft_max", lo=0) or 0,
+            draft_max=chat_draft.check_draft_max(_opt_int(v["draft_max"], "draft_max") or 0),
         )
 
 
