@@ -101,7 +101,8 @@ def _find_level(base_rec: Any, key: str, store: Any) -> Optional[Any]:
     if base_rec is None:
         return None
     for child in store.children(base_rec.name):
-        if child.level == key and child.path.is_file():
+        # a --budget file records q4_k_m and an imatrix one its level: neither is the stock level asked for
+        if child.level == key and not is_edgellm_recipe(child.name) and child.path.is_file():
             return child
     rec = store.find(derived_name(base_rec, key))
     if rec is not None and rec.level == key and rec.path.is_file():
