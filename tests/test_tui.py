@@ -92,7 +92,6 @@ def test_broken_file_shows_an_error_notification(tmp_path, edgellm_home):
 def test_quantize_to_q8_0_reaches_100_percent_and_a_queued_job_cancels(default_model, monkeypatch):
     from textual.widgets import DataTable
 
-    import tui.screens.quantize_screen as qs
     from tui.widgets.checklist import CheckBox, CheckList
     from tui.widgets.jobbar import JobBar
 
@@ -109,13 +108,15 @@ def test_quantize_to_q8_0_reaches_100_percent_and_a_queued_job_cancels(default_m
     # quantize takes well under a second, faster than the pilot's key presses.
     import threading
 
-    gate, real_quantize = threading.Event(), qs.quantize
+    from tui.screens import budget_form
+
+    gate, real_run = threading.Event(), budget_form.run_level
 
     def gated(*a, **kw):
         gate.wait(60)
-        return real_quantize(*a, **kw)
+        return real_run(*a, **kw)
 
-    monkeypatch.setattr(qs, "quantize", gated)
+    monkeypatch.setattr(budget_form, "run_level", gated)
 
     async def run():
         app = make(initial="quantize")

@@ -132,6 +132,7 @@ def test_fit_marks_use_the_bytes_models_list_reports(default_model, cli, monkeyp
 SCREEN_KEYS = {
     "models": ["f1"],
     "quantize": ["f2"],
+    "quantize-budget": ["f2", "m"],
     "imatrix-panel": ["f2", "i"],
     "evaluate": ["f3"],
     "chat": ["f4"],

@@ -12,20 +12,21 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
-from textual import work
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, DataTable, Input, Label, Select, Static
+from textual.widgets.selection_list import Selection
 
 from edgellm.fsutil import human_size
 from edgellm.progress import CancelToken, Progress
 from quant.levels import all_levels
-from quant.quantize import QuantizeResult, quantize
+from quant.quantize import QuantizeResult
 from tui.screens import budget_form
 from tui.screens.base import REFRESH, BaseScreen
 from tui.widgets.checklist import CheckBox, CheckList
@@ -54,16 +55,19 @@ class Job:
     allow_requantize: bool = False
     budget: str = ""  # a --budget search instead of a level
     exclude: list[str] = field(default_factory=list)
-    imatrix: str = budget_form.IMATRIX_AUTO
+    imatrix: str = budget_form.IMATRIX_NONE
+    recipe: str = ""  # a saved recipe's file, applied instead of a search
 
     @property
     def label(self) -> str:
+        if self.recipe:
+            return f"RECIPE {Path(self.recipe).stem}"
         return f"BUDGET {self.budget}" if self.budget else self.level.upper()
 
 
-def offered_levels() -> list[str]:
-    """The levels quant.levels says edgellm can produce (imatrix ones left out)."""
-    keys = [lv.key for lv in all_levels(usable_only=True)]
+def offered_levels(with_imatrix: bool = False) -> list[str]:
+    """The levels quant.levels says edgellm can produce; those that need an importance matrix once one is picked."""
+    keys = [lv.key for lv in all_levels() if lv.readable and (with_imatrix or not lv.needs_imatrix)]
     first = [k for k in FIRST_LEVELS if k in keys]
     return first + [k for k in keys if k not in first]
 
@@ -76,6 +80,7 @@ class QuantizeScreen(BaseScreen):
         Binding("x", "cancel_selected", "Cancel job"),
         Binding("escape", "cancel_running", "Cancel running"),
         REFRESH,
+        Binding("i", "imatrices", "Matrices"),
     ]
     BUTTONS = {"quant-go": "queue"}
 
@@ -92,26 +97,26 @@ class QuantizeScreen(BaseScreen):
     def compose(self) -> ComposeResult:
         yield from self.compose_nav()
         with Horizontal(id="quant-top"):
-            with Vertical(id="quant-form", classes="form"):
+            # scrolls: the budget mode's fields and the button need more than 30 rows
+            with VerticalScroll(id="quant-form", classes="form"):
                 yield Label("Base model")
                 yield Select([], prompt="(no models)", id="quant-base", allow_blank=True)
-                yield Label("Levels  [dim](space toggles)[/]")
+                yield Label("Importance matrix [dim](i)[/]")
+                yield Select(_IMATRIX_FIXED, id="quant-imatrix", allow_blank=False, value=budget_form.IMATRIX_NONE)
+                yield Label("Levels  [dim](space toggles)[/]", id="quant-levels-label")
                 yield CheckList(*[(lv.upper(), lv, lv in DEFAULT_PICKS) for lv in offered_levels()], id="quant-levels")
                 yield CheckBox("Allow requantize", id="quant-requant")
                 with Vertical(id="quant-budget-box"):
-                    yield Label("Size budget  [dim](100MB, 4.5bpw, ram)[/]")
-                    yield Input("", placeholder="e.g. 88MB", id="quant-budget")
+                    yield Label("Size budget")
+                    yield Input("", placeholder="100MB, 4.5bpw or ram", id="quant-budget")
                     yield Static("", id="quant-budget-err", markup=False)
                     yield Static("", id="quant-ram", markup=False)
-                    yield Label("Exclude types  [dim](comma-separated)[/]")
-                    yield Input("", placeholder="e.g. q4_1", id="quant-exclude")
+                    yield Label("Exclude types")
+                    yield Input("", placeholder="q4_1,q5_1", id="quant-exclude")
                     yield Static("", id="quant-exclude-why", markup=False)
-                    yield Label("Importance matrix")
-                    yield Select(
-                        [("auto: stored, else compute now on the shipped text", budget_form.IMATRIX_AUTO)],
-                        id="quant-imatrix",
-                        allow_blank=False,
-                    )
+                    yield Label("Saved recipe")
+                    yield Select([(budget_form.SEARCH_LABEL, "")], id="quant-recipe", allow_blank=False, value="")
+                    yield Static("", id="quant-cost", markup=False)
                 yield Button("Queue (a)", id="quant-go", variant="primary")
             with Vertical(id="quant-right"):
                 yield Label("Jobs  [dim](x cancels the selected job)[/]", classes="pane-title")
@@ -128,6 +133,12 @@ class QuantizeScreen(BaseScreen):
         self._set_mode("levels")
         self.action_refresh()
 
+    def action_imatrices(self) -> None:
+        """The importance-matrix panel, its compute defaulting to the base picked here."""
+        from tui.screens.imatrix_panel import ImatrixPanel
+
+        self.app.push_screen(ImatrixPanel(default_model=budget_form_base(self)))
+
     # -- the mode: levels, or a size budget -----------------------------------
 
     mode = "levels"
@@ -137,44 +148,99 @@ class QuantizeScreen(BaseScreen):
         budget = mode == "budget"
         self.query_one("#quant-budget-box").display = budget
         self.query_one("#quant-levels").display = not budget
+        self.query_one("#quant-levels-label").display = not budget
         self.query_one("#quant-requant").display = not budget
         if budget:
+            imx = self.query_one("#quant-imatrix", Select)
+            if imx.value == budget_form.IMATRIX_NONE:  # the search measures with a matrix
+                imx.value = budget_form.IMATRIX_AUTO
             self._budget_hints()
 
     def action_toggle_mode(self) -> None:
         self._set_mode("levels" if self.mode == "budget" else "budget")
 
     def _budget_hints(self) -> None:
-        """The RAM figure beside the field and the base's own source type pre-ticked (read in a worker)."""
+        """The RAM figure, the base's own source type pre-ticked, and what the job will cost (read in a worker)."""
         base = budget_form_base(self)
+        imatrix = self._imatrix()
+        recipe = self._recipe()
         if base:
             self.in_background(
                 "budget hints",
-                lambda: (budget_form.ram_hint(base), budget_form.dequantized_from(base)),
+                lambda: (
+                    budget_form.ram_hint(base),
+                    budget_form.dequantized_from(base),
+                    budget_form.cost_hint(base, imatrix, recipe),
+                ),
                 self._show_hints,
                 group="hints",
             )
 
-    def _show_hints(self, hints: tuple[str, str]) -> None:
-        ram, src = hints
-        self.query_one("#quant-ram", Static).update(ram)
+    def _hint(self, selector: str, text: str) -> None:
+        """A line under a field, there only while it says something (the form is short of rows)."""
+        line = self.query_one(selector, Static)
+        line.update(text)
+        line.display = bool(text)
+
+    def _imatrix(self) -> str:
+        v = self.query_one("#quant-imatrix", Select).value
+        return v if isinstance(v, str) else budget_form.IMATRIX_NONE
+
+    def _recipe(self) -> str:
+        v = self.query_one("#quant-recipe", Select).value
+        return v if isinstance(v, str) else ""
+
+    def _show_hints(self, hints: tuple[str, str, str]) -> None:
+        ram, src, cost = hints
+        self._hint("#quant-ram", ram)
+        self._hint("#quant-cost", cost)
         why = ""
         if src:
             box = self.query_one("#quant-exclude", Input)
             if src.lower() not in [t.lower() for t in budget_form.exclude_list(box.value)]:
                 box.value = ",".join([*budget_form.exclude_list(box.value), src.lower()])
             why = f"{src.upper()} excluded: this base was dequantized from it"
-        self.query_one("#quant-exclude-why", Static).update(why)
+        self._hint("#quant-exclude-why", why)
+
+    @on(Select.Changed, "#quant-base")
+    @on(Select.Changed, "#quant-imatrix")
+    @on(Select.Changed, "#quant-recipe")
+    def _picked(self, event: Select.Changed) -> None:
+        if event.select.id == "quant-base":
+            self.reload_imatrices()
+        if event.select.id == "quant-imatrix":
+            self._offer_levels()
+        if self.mode == "budget":
+            self._budget_hints()
+
+    def _offer_levels(self) -> None:
+        """The imatrix levels (IQ1-IQ3, Q2_K_S) in the list while a matrix is picked; the ticks kept."""
+        levels = self.query_one("#quant-levels", CheckList)
+        keys = offered_levels(self._imatrix() != budget_form.IMATRIX_NONE)
+        if [str(o.value) for o in levels.options if isinstance(o, Selection)] == keys:
+            return
+        ticked = set(levels.selected)
+        levels.clear_options()
+        levels.add_options([(lv.upper(), lv, lv in ticked) for lv in keys])
 
     def reload(self) -> None:
         set_choices(self.query_one("#quant-base", Select), [m.name for m in self.store_models()])
-        self.in_background("importance matrices", _imatrix_choices, self._show_imatrices, group="imatrix")
+        self.reload_imatrices()
+        self.in_background("saved recipes", budget_form.recipe_choices, self._show_recipes, group="recipes")
+
+    def reload_imatrices(self) -> None:
+        """The picker's stored matrices are this base's: read in a worker (it lists and hashes)."""
+        base = budget_form_base(self)
+        self.in_background(
+            "importance matrices", lambda: budget_form.imatrix_choices(base), self._show_imatrices, group="imatrix"
+        )
 
     def _show_imatrices(self, choices: list[tuple[str, str]]) -> None:
-        sel = self.query_one("#quant-imatrix", Select)
-        cur = sel.value
-        sel.set_options(choices)
-        sel.value = cur if cur in [v for _, v in choices] else budget_form.IMATRIX_AUTO
+        _keep_pick(self.query_one("#quant-imatrix", Select), [*_IMATRIX_FIXED, *choices], budget_form.IMATRIX_NONE)
+        self._offer_levels()
+
+    def _show_recipes(self, choices: list[tuple[str, str]]) -> None:
+        _keep_pick(self.query_one("#quant-recipe", Select), [(budget_form.SEARCH_LABEL, ""), *choices], "")
 
     # -- queueing ----------------------------------------------------------
 
@@ -191,7 +257,7 @@ class QuantizeScreen(BaseScreen):
             return
         requant = self.query_one("#quant-requant", CheckBox).value
         for lv in levels:
-            self.queue_job(str(base), lv, allow_requantize=requant)
+            self.queue_job(str(base), lv, allow_requantize=requant, imatrix=self._imatrix())
 
     def _queue_budget(self) -> None:
         base = self.picked("#quant-base", "pick a base model first (an F16 conversion)")
@@ -199,19 +265,16 @@ class QuantizeScreen(BaseScreen):
             return
         budget = self.query_one("#quant-budget", Input).value.strip()
         exclude = budget_form.exclude_list(self.query_one("#quant-exclude", Input).value)
-        # The core's own check, with the CLI's line under the field; a bad budget starts nothing.
-        err = budget_form.budget_error(str(base), budget, exclude)
-        self.query_one("#quant-budget-err", Static).update(err or "")
+        recipe, imatrix = self._recipe(), self._imatrix()
+        # The core's own checks, with the CLI's line under the field; a bad budget or recipe starts nothing.
+        if recipe:
+            err = budget_form.recipe_error(str(base), recipe)
+        else:
+            err = budget_form.budget_error(str(base), budget, exclude, imatrix)
+        self._hint("#quant-budget-err", err or "")
         if err:
             return
-        imatrix = self.query_one("#quant-imatrix", Select).value
-        self.queue_job(
-            str(base),
-            "budget",
-            budget=budget,
-            exclude=exclude,
-            imatrix=imatrix if isinstance(imatrix, str) else budget_form.IMATRIX_AUTO,
-        )
+        self.queue_job(str(base), "budget", budget=budget, exclude=exclude, imatrix=imatrix, recipe=recipe)
 
     def queue_job(self, base: str, level: str, *, allow_requantize: bool = False, **budget) -> Job:
         job = Job(next(self._ids), base, level, self.app.new_token(), allow_requantize=allow_requantize, **budget)
@@ -264,7 +327,7 @@ class QuantizeScreen(BaseScreen):
                 job.pct = 100.0 * p.fraction
             forward(p)
 
-        if job.budget:
+        if job.level == "budget":
             ok, out = self.run_guarded(
                 f"quantize {job.base} → {job.label}",
                 budget_form.run_budget,
@@ -272,6 +335,7 @@ class QuantizeScreen(BaseScreen):
                 job.budget,
                 job.exclude,
                 job.imatrix,
+                job.recipe,
                 on_progress=on_progress,
                 cancel=job.token,
                 token=job.token,
@@ -279,16 +343,17 @@ class QuantizeScreen(BaseScreen):
         else:
             ok, out = self.run_guarded(
                 f"quantize {job.base} → {job.label}",
-                quantize,
+                budget_form.run_level,
                 job.base,
-                [job.level],
+                job.level,
+                job.imatrix,
                 allow_requantize=job.allow_requantize,
                 on_progress=on_progress,
                 cancel=job.token,
                 token=job.token,
             )
         self.current = None
-        if ok and job.budget:
+        if ok and job.level == "budget":
             res, recipe = out
             job.status, job.pct, job.results = "done", 100.0, [res]
             job.reason = budget_form.describe_budget(res, recipe)
@@ -315,6 +380,7 @@ class QuantizeScreen(BaseScreen):
         )
         if job.status == "done":
             self.notify(f"quantized {job.base} to {job.label}")
+            self.reload()  # the new file is a base to pick (an F16 conversion is the one to search from)
             self.results.extend(job.results)
             fill(
                 self.query_one("#quant-results", DataTable),
@@ -325,7 +391,7 @@ class QuantizeScreen(BaseScreen):
                             r.level.upper(),
                             human_size(r.size_bytes),
                             f"{r.bpw:.2f}",
-                            str(r.fallback_tensors),
+                            str(getattr(r, "fallback_tensors", 0)),  # a conversion has none
                             f"{r.seconds:.1f}",
                         ),
                         None,
@@ -358,12 +424,12 @@ def budget_form_base(screen: QuantizeScreen) -> str:
     return selected_value(screen.query_one("#quant-base", Select))
 
 
-def _imatrix_choices() -> list[tuple[str, str]]:
-    """auto, the stored matrices (name, text, tokens, date), none: read in a worker (it lists the store's folder)."""
-    from quant.imatrix import list_imatrices
+# The picker's two fixed choices; the base's stored matrices follow them.
+_IMATRIX_FIXED = [("none", budget_form.IMATRIX_NONE), ("auto: stored, else computed", budget_form.IMATRIX_AUTO)]
 
-    out = [("auto: stored, else compute now on the shipped text", budget_form.IMATRIX_AUTO)]
-    for rec in list_imatrices():
-        day = time.strftime("%Y-%m-%d", time.localtime(rec.created))
-        out.append((f"{rec.name}  {rec.text}  {rec.tokens} tok  {day}", rec.name))
-    return out
+
+def _keep_pick(sel: Select, choices: list[tuple[str, str]], default: str) -> None:
+    """New options, the pick kept where it is still offered."""
+    cur = sel.value
+    sel.set_options(choices)
+    sel.value = cur if cur in [v for _, v in choices] else default

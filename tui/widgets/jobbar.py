@@ -7,11 +7,11 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, ProgressBar, Static
 
-from edgellm.progress import Progress, format_amount
+from edgellm.progress import Progress, format_amount, stage_of
 
 
 def describe(p: Progress) -> str:
-    parts = []
+    parts = [stage] if (stage := stage_of(p)) else []  # a job of several stages says which one runs
     if p.total:
         parts.append(
             f"{format_amount(p.done, p.unit)}/{format_amount(p.total, p.unit)} {p.unit if p.unit != 'B' else ''}".rstrip()
