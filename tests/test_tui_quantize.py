@@ -121,6 +121,15 @@ def test_fresh_store_to_budget_file_and_frontier_through_keys(edgellm_home, cli)
             assert not errors(app), errors(app)
             await pilot.press("escape")
             await settled(pilot)
+            # the matrix is offered for this base, and while it is picked the levels that need one are too
+            imx = q.query_one("#quant-imatrix")
+            offered = [str(v) for _, v in imx._options]
+            imx.value = "smollm2-135m-instruct-f16-imatrix"
+            await settled(pilot)
+            with_matrix = [str(o.value) for o in levels.options]
+            imx.value = ""
+            await settled(pilot)
+            without = [str(o.value) for o in levels.options]
             # -- a budget search, cancelled at its calibrate stage: nothing left
             await _budget_mode(pilot, app, "88MB")
             assert q.query_one("#quant-exclude").value == "q4_1"
@@ -145,6 +154,19 @@ def test_fresh_store_to_budget_file_and_frontier_through_keys(edgellm_home, cli)
             await pilot.press("m", "m")  # out of the budget mode and back: the cost is read again
             await settled(pilot)
             cost_after = str(q.query_one("#quant-cost").render())
+            # -- the search's recipe, applied from the saved list instead of searching again
+            recipes = q.query_one("#quant-recipe")
+            await pilot.press("r")
+            await settled(pilot)
+            listed = [(str(label), str(v)) for label, v in recipes._options if v]
+            recipes.value = listed[0][1]
+            await settled(pilot)
+            recipe_cost = str(q.query_one("#quant-cost").render())
+            q.query_one("#quant-go").focus()
+            await pilot.press("a")
+            job3 = max(q.jobs.values(), key=lambda j: j.id)
+            await wait_for(pilot, lambda: job3.status in ("cancelled", "failed", "done"), 300, "the recipe")
+            applied = (job3.status, job3.reason, job3.label, [r.name for r in job3.results])
             # -- evaluate it beside Q4_0 and Q4_K_M
             await pilot.press("f3")
             await settled(pilot)
@@ -161,9 +183,23 @@ def test_fresh_store_to_budget_file_and_frontier_through_keys(edgellm_home, cli)
             table = ev.query_one("#eval-results", DataTable)
             rows = [table.get_row_at(i)[0] for i in range(table.row_count)]
             plot = ev.query_one(ScatterPlot).render().plain
-            return cancelled, job2.status, job2.reason, stages, (cost_before, cost_after), rows, plot, errors(app)
+            picks = (offered, with_matrix, without)
+            recipe = (listed, recipe_cost, applied)
+            return cancelled, job2.status, job2.reason, stages, (cost_before, cost_after), rows, plot, errors(app), picks, recipe
 
-    cancelled, status, reason, note, costs, rows, plot, errs = asyncio.run(run())
+    cancelled, status, reason, note, costs, rows, plot, errs, picks, recipe = asyncio.run(run())
+    offered, with_matrix, without = picks
+    assert offered == ["", "auto", "smollm2-135m-instruct-f16-imatrix"], offered
+    from quant.levels import all_levels
+
+    need = {lv.key for lv in all_levels() if lv.needs_imatrix and lv.readable}  # IQ1_S ... IQ2_S, Q2_K_S
+    assert {"iq2_xs", "q2_k_s"} <= need <= set(with_matrix) and not need & set(without), (need, with_matrix, without)
+    listed, recipe_cost, applied = recipe
+    # the list names what the recipe is for: its name, architecture and budget
+    assert len(listed) == 1 and listed[0][0].startswith("smollm2-135m-instruct-f16-budget-88mb  llama  88MB"), listed
+    assert recipe_cost == "cost: a saved recipe, no search; the quantization only"
+    assert applied[0] == "done" and applied[2] == "RECIPE smollm2-135m-instruct-f16-budget-88mb", applied
+    assert Store().get(applied[3][0]).size_bytes == Store().get(budget_name).size_bytes  # the same types, the same size
     # before: the matrix is named, nothing is cached and no search of this base is on record to scale
     assert "matrix smollm2-135m-instruct-f16-imatrix" in costs[0] and "no probes cached" in costs[0], costs
     assert "time unknown" in costs[0], costs
