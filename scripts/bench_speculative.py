@@ -441,25 +441,28 @@ def main() -> None:
     )
     ap.add_argument("--draft-target", help="part 2: the target model (e.g. the 1.93B widened model at Q8_0)")
     ap.add_argument("--draft-model", help="part 2: its draft model (e.g. the default model at Q4_0)")
+    ap.add_argument("--skip-prompts", action="store_true", help="skip part 1 (the six prompts)")
     ap.add_argument("--skip-busy", action="store_true")
     ap.add_argument("--busy-tokens", type=int, default=128)
     ap.add_argument("--json", dest="json_out", help="write every run here")
     a = ap.parse_args()
     tools = tools_dir()
     path = model_path(a.model)
-    result: dict = {
-        "model": str(path),
-        "threads": a.threads,
-        "tokens": a.tokens,
-        "rounds": a.rounds,
-        "prompts": part_prompts(a, path, tools / "llama-server"),
-    }
+    result: dict = {"model": str(path), "threads": a.threads, "tokens": a.tokens, "rounds": a.rounds}
+
+    def save() -> None:  # after each part: a later part's failure keeps what was measured
+        if a.json_out:
+            Path(a.json_out).write_text(json.dumps(result, indent=1))
+
+    if not a.skip_prompts:
+        result["prompts"] = part_prompts(a, path, tools / "llama-server")
+        save()
     if a.draft_target and a.draft_model:
         result["draft_model"] = part_draft_model(a, tools / "llama-server")
+        save()
     if not a.skip_busy:
         result["threads_busy"] = part_busy(a, path, tools / "llama-completion")
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps(result, indent=1))
+        save()
 
 
 if __name__ == "__main__":

@@ -20,8 +20,10 @@ source scripts/_cpu_flags.sh
 ARGS="$(edgellm_cmake_args "${EDGELLM_GPU:-}")"
 KEY="$(edgellm_flags_key "$ARGS")"
 OUT="$EDGELLM_CACHE/llama-tools/$LLAMA_CPP_PYTHON_VERSION-$KEY-shared"
-# llama-server: the reference for the server tests' logprobs and embeddings (tests/test_server_tools.py)
-TOOLS="${*:-llama-bench llama-perplexity llama-quantize llama-imatrix ggml-rpc-server llama-server}"
+# llama-server: the reference for the server tests' logprobs and embeddings (tests/test_server_tools.py);
+# llama-completion: the baseline of scripts/bench_chat.py and bench_speculative.py (without it in the
+# default set, EDGELLM_LLAMA_TOOLS=$(build_llama_tools.sh) pointed those scripts at a folder lacking it)
+TOOLS="${*:-llama-bench llama-perplexity llama-quantize llama-imatrix ggml-rpc-server llama-server llama-completion}"
 
 have_all() { for t in $TOOLS; do [ -x "$OUT/bin/$t" ] || return 1; done; }
 if have_all; then echo "$OUT/bin"; exit 0; fi
