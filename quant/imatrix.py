@@ -158,11 +158,7 @@ def compute_imatrix(
         runner.close()
     m = collector.result([txt.label])
     arch = runner.info.architecture
-    model_sha = (
-        resolved.record.sha256
-        if resolved.record is not None and len(resolved.record.sha256) == 64
-        else sha256_file(resolved.path)
-    )
+    model_sha = model_sha256(resolved)
     rec = ImatrixRecord(
         name=name,
         file=str(target),
@@ -254,6 +250,17 @@ def list_imatrices() -> list[ImatrixRecord]:
     return out
 
 
+def model_sha256(resolved: Any) -> str:
+    """A resolved model's sha256, what a matrix is tied to: its store record's when whole, else hashed now."""
+    rec = resolved.record
+    return rec.sha256 if rec is not None and len(rec.sha256) == 64 else sha256_file(resolved.path)
+
+
+def stored_for(sha256: str) -> list[ImatrixRecord]:
+    """The stored matrices of the model with this sha256, newest first: `--imatrix auto` takes the first."""
+    return sorted((r for r in list_imatrices() if r.model_sha256 == sha256), key=lambda r: r.created, reverse=True)
+
+
 def get_imatrix(name: str) -> ImatrixRecord:
     for rec in list_imatrices():
         if rec.name == name:
@@ -317,14 +324,9 @@ def choose_imatrix(
     label = resolved.label
     record: Optional[ImatrixRecord] = None
     if ref == "auto":
-        sha = (
-            resolved.record.sha256
-            if resolved.record is not None and len(resolved.record.sha256) == 64
-            else sha256_file(resolved.path)
-        )
-        mine = [r for r in list_imatrices() if r.model_sha256 == sha]
+        mine = stored_for(model_sha256(resolved))
         if mine:
-            record = max(mine, key=lambda r: r.created)
+            record = mine[0]
         else:
             record = compute_imatrix(
                 resolved.path if resolved.record is None else resolved.record.name,

@@ -18,7 +18,7 @@ from edgellm.errors import EdgeLLMError
 from edgellm.fsutil import sha256_file
 from edgellm.models.store import Store
 from quant import sensitivity
-from quant.imatrix import ImatrixRecord, get_imatrix, list_imatrices
+from quant.imatrix import ImatrixRecord, get_imatrix, model_sha256, stored_for
 from quant.recipe import list_recipes, load_recipe, resolve_base
 
 
@@ -45,19 +45,17 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
-def _matrix(ref: str, model_sha256: str) -> Optional[ImatrixRecord]:
+def _matrix(ref: str, sha: str) -> Optional[ImatrixRecord]:
     """The stored matrix `--imatrix ref` resolves to for this base (auto: its newest), None when auto computes one."""
     if ref in ("", "auto"):
-        mine = [r for r in list_imatrices() if r.model_sha256 == model_sha256]
-        return max(mine, key=lambda r: r.created) if mine else None
+        return next(iter(stored_for(sha)), None)
     return get_imatrix(ref)
 
 
 def search_cost(base: str, imatrix: str = "auto", *, store: Optional[Store] = None) -> SearchCost:
     """The cost of `quantize BASE --budget ... --imatrix IMATRIX`, from what is stored; reads, never measures."""
     src = resolve_base(base, store or Store())
-    rec = src.resolved.record
-    model_sha = rec.sha256 if rec is not None and len(rec.sha256) == 64 else sha256_file(src.path)
+    model_sha = model_sha256(src.resolved)
     matrix = _matrix(imatrix, model_sha)
     cached = 0
     if matrix is not None:

@@ -110,14 +110,15 @@ def imatrix_choices(base: str) -> list[tuple[str, str]]:
     """This base's stored matrices (name, text, tokens, date), newest first: `auto` would take the first."""
     import time
 
-    from quant.imatrix import list_imatrices
+    from quant.imatrix import list_imatrices, stored_for
 
     try:
         rec = Store().get(base) if base else None
     except EdgeLLMError:
         rec = None
+    # the record's hash only: hashing a multi-GB base on every pick would stall the picker
     sha = rec.sha256 if rec is not None and len(rec.sha256) == 64 else None
-    mine = sorted((r for r in list_imatrices() if sha is None or r.model_sha256 == sha), key=lambda r: -r.created)
+    mine = stored_for(sha) if sha else sorted(list_imatrices(), key=lambda r: -r.created)
     return [(f"{r.name}  {r.text}  {r.tokens} tok  {time.strftime('%Y-%m-%d', time.localtime(r.created))}", r.name) for r in mine]
 
 
