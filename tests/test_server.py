@@ -500,6 +500,35 @@ def test_shared_system_prompt_is_served_from_the_prefix_cache(batching):
     assert m[f'edgellm_cached_prompt_tokens_total{{model="{DEFAULT_NAME}"}}'] >= 7000
 
 
+def test_requests_arriving_together_compute_their_shared_system_prompt_once(batching):
+    # What RAG front ends send: one long system prompt, several clients at once. Without grouping,
+    # each of the PAR sequences computes the 1,000 tokens itself; with it, one does and the others copy.
+    _, url = batching
+    c = _par_client(url)
+    system = " ".join(f"Policy {i}: questions on subject {i} get one short, exact sentence." for i in range(60))
+
+    def ask(q: str):
+        return c.chat.completions.create(
+            model=DEFAULT_NAME,
+            max_tokens=8,
+            temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+        )
+
+    before = _metrics(url)
+    together = _concurrently([lambda q=q: ask(q) for q in QUESTIONS[:PAR]])
+    assert not [r for r in together if isinstance(r, Exception)], together
+    m = _metrics(url)
+    key = f'edgellm_cached_prompt_tokens_total{{model="{DEFAULT_NAME}"}}'
+    cached = sorted(r.usage.prompt_tokens_details.cached_tokens for r in together)
+    assert together[0].usage.prompt_tokens > 1000
+    assert cached[0] < 1000 and all(n >= 1000 for n in cached[1:]), cached  # one computed it, the others copied
+    assert m[key] - before.get(key, 0) == sum(cached)
+    # The copied prefix is the one each would have computed: the same replies one at a time (cached by now).
+    alone = [ask(q).choices[0].message.content for q in QUESTIONS[:PAR]]
+    assert [r.choices[0].message.content for r in together] == alone
+
+
 def _stream_text(c: openai.OpenAI, q: str, max_tokens: int, stop_after: int | None = None, on_stop=None) -> str:
     stream = _ask(c, q, max_tokens=max_tokens, stream=True)
     pieces = []

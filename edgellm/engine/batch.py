@@ -21,7 +21,12 @@ share the longest prefix with its prompt (ties: the least recently used,
 whose cache is the one evicted); when another slot, running or not, holds a
 longer prefix, its stream is copied over (`llama_memory_seq_cp`) and cut
 back to the shared prefix, which costs a memory copy instead of recomputing
-the tokens.
+the tokens. Requests that arrive together with one long system prompt (what
+RAG front ends and agents send) would each compute it: so a newcomer whose
+prompt shares at least `GROUP_MIN` more tokens with a prompt still being
+computed than any cache holds waits, seated but idle, until that prompt's
+computed part covers the shared prefix, and then copies it. The prefix is
+computed once per group, as `--parallel 1` computes it once per run.
 
 Not thread-safe: one thread (the model's worker in `edgellm.serve.pool`)
 calls `add`, `step` and `cancel_all`.
@@ -40,6 +45,10 @@ from edgellm.engine.decode import Batch, Sampler, TextStream, common_prefix
 from edgellm.engine.ngram import NgramDrafter
 from edgellm.engine.runtime import GenerationStats, SamplingParams
 from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, DraftCounters, Speculator, VerifyCost
+
+# Waiting for another prompt pays when it saves at least this many tokens of prefill:
+# below it, the wait (a chunk of the leader's prompt) costs about what it saves.
+GROUP_MIN = 64
 
 
 @dataclass
@@ -66,6 +75,8 @@ class Sequence:
     spec: Any = None  # an engine.speculative.Speculator when the request drafts
     draft: list[int] = field(default_factory=list)  # drafted tokens decoded after `last` this step
     rows: list[int] = field(default_factory=list)  # their output rows, `last`'s first
+    leader: Optional[Sequence] = None  # a sequence computing a prefix this one waits to copy
+    wait_for: int = 0  # the leader's prompt tokens that must be in its cache first
 
 
 def open_parallel_context(rt: Any, n_seq: int) -> None:
@@ -131,8 +142,36 @@ class BatchEngine:
             raise RuntimeError("no free sequence slot")
         # The free slot with the longest common prefix; ties go to the least recently used.
         dst = max(free, key=lambda i: (common_prefix(self.cached[i], prompt), -self.used_at[i]))
-        own = common_prefix(self.cached[dst], prompt)
-        src, best = dst, own
+        seq.slot = dst
+        self.slots[dst] = seq
+        cached = self._reuse(seq)
+        leaders = [s for s in self.slots if s is not None and s is not seq and s.leader is None and s.n_done < len(s.prompt)]
+        shared = {id(s): min(common_prefix(s.prompt, prompt), len(prompt) - 2) for s in leaders}
+        lead = max(leaders, key=lambda s: shared[id(s)], default=None)
+        if lead is not None and shared[id(lead)] - cached >= GROUP_MIN:
+            seq.leader, seq.wait_for = lead, shared[id(lead)]
+        keep = seq.n_done
+        seq.sampler = Sampler(self.vocab, seq.sampling, default_seed=self.default_seed)
+        seq.text = TextStream(self.vocab, seq.sampling.stop)
+        mode = (seq.sampling.draft or self.rt.options.draft or "off").lower()
+        if mode != "off":  # one context holds every sequence: drafts come from n-grams (a draft model is chat's)
+            d = NgramDrafter()
+            d.reset(prompt)
+            seq.spec = Speculator(d, draft_max=seq.sampling.draft_max or DEFAULT_DRAFT_MAX, cost=self.verify_cost)
+            seq.stats.draft = "ngram"
+        st = seq.stats
+        st.prompt_tokens, st.reused_tokens, st.evaluated_prompt_tokens = len(prompt), keep, len(prompt) - keep
+        st.stop_reason = "length"
+        seq.t0 = time.perf_counter()
+        self.prompt_tokens += len(prompt)
+        if seq.leader is None:
+            self.cached_tokens += keep
+            self.cache_hits += keep > 0
+
+    def _reuse(self, seq: Sequence) -> int:
+        """Set up `seq`'s slot with the longest cached prefix of its prompt (its own slot's, or a copy); returns it."""
+        prompt, dst = seq.prompt, seq.slot
+        src, best = dst, common_prefix(self.cached[dst], prompt)
         for i in range(self.n_parallel):
             if i != dst and len(self.cached[i]) > best:
                 n = common_prefix(self.cached[i], prompt)
@@ -150,23 +189,21 @@ class BatchEngine:
                 llama_cpp.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
                 llama_cpp.llama_memory_seq_rm(self.mem, dst, keep, -1)
         self.cached[dst] = list(prompt[:keep])
-        seq.slot, seq.n_done = dst, keep
-        seq.sampler = Sampler(self.vocab, seq.sampling, default_seed=self.default_seed)
-        seq.text = TextStream(self.vocab, seq.sampling.stop)
-        mode = (seq.sampling.draft or self.rt.options.draft or "off").lower()
-        if mode != "off":  # one context holds every sequence: drafts come from n-grams (a draft model is chat's)
-            d = NgramDrafter()
-            d.reset(prompt)
-            seq.spec = Speculator(d, draft_max=seq.sampling.draft_max or DEFAULT_DRAFT_MAX, cost=self.verify_cost)
-            seq.stats.draft = "ngram"
-        st = seq.stats
-        st.prompt_tokens, st.reused_tokens, st.evaluated_prompt_tokens = len(prompt), keep, len(prompt) - keep
-        st.stop_reason = "length"
-        seq.t0 = time.perf_counter()
-        self.slots[dst] = seq
-        self.prompt_tokens += len(prompt)
+        seq.n_done = keep
+        return keep
+
+    def _follow(self, seq: Sequence) -> bool:
+        """A waiting sequence copies its leader's prefix once it is computed (or the leader left); False: still waiting."""
+        lead = seq.leader
+        assert lead is not None
+        if self.slots[lead.slot] is lead and lead.n_done < seq.wait_for:
+            return False
+        seq.leader = None
+        keep = self._reuse(seq)
+        seq.stats.reused_tokens, seq.stats.evaluated_prompt_tokens = keep, len(seq.prompt) - keep
         self.cached_tokens += keep
         self.cache_hits += keep > 0
+        return True
 
     # -- one decode step ---------------------------------------------------------
 
@@ -217,8 +254,9 @@ class BatchEngine:
                         self._sample(s, now)
         for s in seqs:
             left = len(s.prompt) - s.n_done
-            if left <= 0 or self.slots[s.slot] is not s:
+            if left <= 0 or self.slots[s.slot] is not s or (s.leader is not None and not self._follow(s)):
                 continue
+            left = len(s.prompt) - s.n_done
             # Chunks only matter while others generate; alone, a prompt takes the whole batch.
             k = min(left, self.prompt_chunk if self.active() > 1 else self.batch.capacity)
             if left - k == 1:
