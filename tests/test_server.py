@@ -375,6 +375,33 @@ def test_sigterm_cancels_in_flight_stream_and_exits_cleanly(tmp_path, default_gg
     assert "Traceback" not in err and "stopped" in err, err
 
 
+def test_accepted_connections_send_without_waiting_for_an_ack():
+    # uvicorn serves on the socket open_socket binds; asyncio turns Nagle off on the connections it
+    # accepts only when that socket names TCP. Without it every keep-alive response (the openai and
+    # ollama clients keep connections alive) waited ~40 ms for the client's delayed ACK.
+    import asyncio
+    import socket
+
+    from edgellm.serve.app import open_socket
+
+    async def main() -> int:
+        got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def accepted(reader, writer):
+            got.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(accepted, sock=open_socket("127.0.0.1", 0))
+        port = server.sockets[0].getsockname()[1]
+        _, w = await asyncio.open_connection("127.0.0.1", port)
+        nodelay = await asyncio.wait_for(got, 10)
+        w.close()
+        server.close()
+        return nodelay
+
+    assert asyncio.run(main()) != 0
+
+
 def test_bind_warning_only_off_loopback_without_key():
     from edgellm.serve.app import bind_warning, is_loopback
 

@@ -175,8 +175,11 @@ def open_socket(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise UsageError(f"cannot resolve --host {host}: {e.strerror}") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, kind, proto, _, addr = infos[0]
+    # With the protocol named, asyncio turns Nagle off on every accepted connection (it checks
+    # sock.proto == IPPROTO_TCP); with proto 0 a keep-alive client, as the openai and ollama clients
+    # are, waited ~40 ms per response for a delayed ACK before the body's segment went out.
+    sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
