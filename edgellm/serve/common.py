@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -117,17 +118,41 @@ def usage_and_timings(start: dict[str, Any], st: GenerationStats) -> tuple[dict[
 
 
 class Reply:
-    """The events of one job, read on the event loop."""
+    """The events of one job, posted by the model's worker thread and read on the event loop.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    Waking the event loop is a context switch onto a core that llama.cpp's
+    threads are decoding on, once per token per request. So an event posted
+    while a wake-up is still pending rides along with it, and a reply that is
+    not streamed is woken only by the events its reader waits for (start,
+    end, error, embeddings); its text waits in the buffer until then.
+    """
+
+    WAKE = frozenset({"start", "end", "error", "embeddings"})
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, stream: bool = True) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.loop = loop
+        self.stream = stream
+        self._lock = threading.Lock()
+        self._buffer: list[tuple[str, Any]] = []
+        self._pending = False
 
     def emit(self, event: tuple[str, Any]) -> None:  # called from a worker thread
+        with self._lock:
+            self._buffer.append(event)
+            if self._pending or (not self.stream and event[0] not in self.WAKE):
+                return
+            self._pending = True
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self.loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop is gone (shutdown): nobody is listening
             pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            events, self._buffer, self._pending = self._buffer, [], False
+        for event in events:
+            self.queue.put_nowait(event)
 
 
 async def _cancel_on_disconnect(request: Any, job: Job, reply: Reply) -> None:
@@ -194,7 +219,7 @@ async def submit(ctx: ServeContext, request: Any, spec: ModelSpec, req: JobReque
             req.tool_plan = await asyncio.to_thread(tools.plan, req.tools, req.messages or [], ctx.models.template_source(spec))
         except Exception as e:  # the schema converter raises assorted types for features it lacks
             raise _bad(f"cannot turn the tools' schemas into a grammar: {one_line(e)}"[:300], "tools", "invalid_schema") from None
-    reply = Reply(asyncio.get_running_loop())
+    reply = Reply(asyncio.get_running_loop(), stream=stream)
     job = Job(req, reply.emit)
     ctx.pool.submit(spec, job)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job, reply))
