@@ -145,11 +145,15 @@ class BatchEngine:
         seq.slot = dst
         self.slots[dst] = seq
         cached = self._reuse(seq)
-        leaders = [s for s in self.slots if s is not None and s is not seq and s.leader is None and s.n_done < len(s.prompt)]
-        shared = {id(s): min(common_prefix(s.prompt, prompt), len(prompt) - 2) for s in leaders}
-        lead = max(leaders, key=lambda s: shared[id(s)], default=None)
-        if lead is not None and shared[id(lead)] - cached >= GROUP_MIN:
-            seq.leader, seq.wait_for = lead, shared[id(lead)]
+        # (shared prefix, sequence) of each prompt still being computed; the longest leads
+        computing = [
+            (min(common_prefix(s.prompt, prompt), len(prompt) - 2), s)
+            for s in self.slots
+            if s is not None and s is not seq and s.leader is None and s.n_done < len(s.prompt)
+        ]
+        shared, lead = max(computing, key=lambda c: c[0], default=(0, None))
+        if lead is not None and shared - cached >= GROUP_MIN:
+            seq.leader, seq.wait_for = lead, shared
         keep = seq.n_done
         seq.sampler = Sampler(self.vocab, seq.sampling, default_seed=self.default_seed)
         seq.text = TextStream(self.vocab, seq.sampling.stop)
