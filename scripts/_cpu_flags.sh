@@ -79,8 +79,11 @@ edgellm_portable_cmake_args() {
 
 # A short stable key for a flag set, so a wheel built for one set is never
 # installed for another (pip's own wheel cache ignores CMAKE_ARGS).
+# The patches applied to the sdist are part of the key: a wheel built before a
+# patch changed is never reused after it.
+EDGELLM_PATCHES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/patches"
 edgellm_flags_key() {
-    printf '%s' "$1" | sha256sum | cut -c1-12
+    { printf '%s' "$1"; cat "$EDGELLM_PATCHES_DIR"/*.patch 2>/dev/null; } | sha256sum | cut -c1-12
 }
 
 # Every llama.cpp build (each wheel, and the reference tools) happens in
@@ -132,5 +135,19 @@ edgellm_build_tree() {
     local name="$1" sdist="$2" top="$EDGELLM_CACHE/build/$1"
     rm -rf "$top" && mkdir -p "$top"
     tar xzf "$sdist" -C "$top" && mv "$top/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION" "$top/src"
+    # scripts/patches: what edgellm needs of llama.cpp that the pinned tree does
+    # not offer (each patch says why); the tools get them too, so "the same tree"
+    # stays true for every comparison.
+    local p
+    for p in "$EDGELLM_PATCHES_DIR"/*.patch; do
+        [ -f "$p" ] || continue
+        # patch(1) where the system has it, else git, which anyone with the clone
+        # has (the ceiling keeps it from applying to a repository above the cache)
+        if command -v patch >/dev/null; then
+            patch -s -p1 -d "$top/src" < "$p" >&2
+        else
+            (cd "$top/src" && GIT_CEILING_DIRECTORIES="$top" git apply -p1 "$p") >&2
+        fi || { echo "could not apply $p to the llama-cpp-python sdist" >&2; return 1; }
+    done
     echo "$top"
 }

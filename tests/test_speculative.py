@@ -10,7 +10,9 @@
 Flash attention is on wherever replies are compared: its CPU kernel computes
 each query row on its own, so a verify batch rounds as single-token decodes
 do (without it, batched verification changes a near-tie greedy choice in
-about half of these replies; see docs/chat.md).
+about half of these replies; see docs/chat.md), once edgellm's switch keeps a
+lone row from splitting its cells over the threads (past 512 cells, at 2+
+threads: the two tests at 2 threads below).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import sys
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 
+from edgellm.engine import backends
 from edgellm.engine.ngram import NgramDrafter
 from edgellm.engine.runtime import GenerationStats, Runtime, RuntimeOptions, SamplingParams
-from edgellm.engine.speculative import DraftMismatch, DraftPolicy, Speculator, VerifyCost
+from edgellm.engine.speculative import DraftMismatch, DraftPolicy, VerifyCost
 from edgellm.engine.threads import ThreadController
 
 CODE = """def total_price(items, tax_rate):
@@ -159,6 +163,45 @@ def test_temperature_zero_reply_is_identical_with_and_without_drafts(rt):
         assert st1.draft_accepted <= st1.draft_tokens
         accepted += st1.draft_accepted
     assert accepted > 40  # the rewrite and the quotes were drafted and accepted
+
+
+def test_a_lone_token_and_the_same_token_in_a_verify_batch_get_the_same_logits(default_gguf):
+    # 600 cached cells at 2 threads: past the 512 where stock ggml splits a lone row's attention over
+    # the threads (another summation order than a batch row's), so without edgellm's switch the two
+    # rows differ in their last bits on any CPU; this is what makes drafts lossless on long prompts
+    r = Runtime(default_gguf, RuntimeOptions(n_ctx=1024, n_threads=2, flash_attn=True, logits_all=True))
+    try:
+        assert backends.keep_attention_batch_invariant()
+        prompt = r.tokenize("Rewrite this code.\n\n" + CODE * 8)[:600]
+        assert len(prompt) == 600
+        t, u = r.tokenize(" subtotal tax", add_bos=False)[:2]
+        llm = r.llm
+        llm.reset()
+        llm.eval(prompt)
+        llm.eval([t])  # the lone decode
+        alone = np.array(llm.scores[600], copy=True)
+        llm.n_tokens = 600  # eval() drops the cells from n_tokens on
+        llm.eval([t, u])  # t as the first row of a two-row verify batch
+        in_batch = np.array(llm.scores[600], copy=True)
+        assert np.array_equal(alone, in_batch), float(np.abs(alone - in_batch).max())
+    finally:
+        r.close()
+
+
+def test_long_prompt_at_two_threads_is_identical_with_and_without_drafts(default_gguf):
+    # the rewrite with the code six times (547 tokens): before the switch its reply at 2 threads
+    # differed from the 45th token on with drafts (docs/chat.md)
+    r = Runtime(default_gguf, RuntimeOptions(n_ctx=2048, n_threads=2, flash_attn=True))
+    try:
+        _cheap_verify(r)
+        prompt = _chat(r, IDENTITY_PROMPTS[0].replace(CODE, CODE * 6))
+        assert len(prompt) > 520
+        plain, plain_toks, _ = _reply(r, prompt, temperature=0, max_tokens=96)
+        spec, spec_toks, st = _reply(r, prompt, temperature=0, max_tokens=96, draft="ngram")
+        assert st.draft_accepted > 10
+        assert spec_toks == plain_toks and spec == plain
+    finally:
+        r.close()
 
 
 def _chi_square_p(a: Counter, b: Counter) -> float:

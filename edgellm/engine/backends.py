@@ -45,6 +45,8 @@ from edgellm.engine.native_io import silence_native_stderr
 from edgellm.errors import RuntimeFailure
 from edgellm.fsutil import atomic_write_text
 
+log = logging.getLogger(__name__)
+
 _PREFIX = "libggml-cpu-"
 # Forces a variant (name or path): the self-test child is told which one to try this way.
 FORCE_ENV = "EDGELLM_CPU_BACKEND"
@@ -252,6 +254,37 @@ def choose(model_path: Optional[Path] = None, *, refresh: bool = False, tester: 
         memo.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(memo, json.dumps(result.to_json(), indent=1) + "\n")
     return result
+
+
+def keep_attention_batch_invariant() -> bool:
+    """Stop ggml from splitting a lone query row's KV cells across threads, for this process.
+
+    At 512+ cells and 2+ threads ggml sums a single decoded row's attention in per-thread
+    chunks and merges them, while a row in a small batch (a speculative verify batch, a
+    sequence decoded beside others) is summed in one pass: the same token gets other logits
+    depending on its batch, and temperature 0 changes with `--draft`. edgellm's builds carry
+    a switch for it (scripts/patches/ggml-cpu-fa-split-kv.patch), reached like llama.cpp's
+    other CPU switches, through the backend's proc address. False where the build lacks it.
+    """
+    if "split_kv" in _loaded:
+        return bool(_loaded["split_kv"])
+    ok = False
+    lib = lib_dir()
+    if lib is not None and (lib / "libggml.so").exists():
+        ggml = _load_lib(lib, "libggml.so")
+        base = _load_lib(lib, "libggml-base.so")
+        ggml.ggml_backend_reg_by_name.argtypes, ggml.ggml_backend_reg_by_name.restype = [ctypes.c_char_p], ctypes.c_void_p
+        get = base.ggml_backend_reg_get_proc_address
+        get.argtypes, get.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
+        reg = ggml.ggml_backend_reg_by_name(b"CPU")
+        fn = get(reg, b"ggml_backend_cpu_set_fa_split_kv") if reg else None
+        if fn:
+            ctypes.CFUNCTYPE(None, ctypes.c_bool)(fn)(False)
+            ok = True
+    if not ok:
+        log.debug("this llama.cpp build cannot keep attention batch-invariant (no edgellm patch)")
+    _loaded["split_kv"] = ok
+    return ok
 
 
 def _load_lib(lib: Path, name: str) -> ctypes.CDLL:

@@ -83,6 +83,7 @@ class Runtime:
 
         # portable build: load its CPU variant (self-tested with this model the first time) before llama.cpp looks for one
         backends.ensure(self.path, tester=hardware.self_test)
+        backends.keep_attention_batch_invariant()  # replies must not depend on drafts or batch-mates
 
         n_threads = opts.n_threads or default_threads()
         kw: dict[str, Any] = dict(
