@@ -233,3 +233,23 @@ def test_live_sampler_rate_and_rss():
     assert abs(snap.rss_bytes - psutil.Process().memory_info().rss) < 64 << 20
     assert snap.peak_rss_bytes >= max(rss for _, _, rss in snap.samples)
     json.dumps(snap.to_json())
+
+
+def test_draft_rows_report_effective_speed_and_counters_that_add_up(cli, default_model):
+    res = cli("bench", DEFAULT_NAME, "--pp", "16", "--tg", "64", "-r", "2", "--threads", "2", "--draft", "ngram", "--json")
+    assert res.exit_code == 0, res.stderr
+    rows = {r["test"]: r for r in res.json()}
+    plain, spec = rows["tg64@rewrite"], rows["tg64@rewrite+ngram"]
+    assert {"pp16", "tg64"} <= set(rows)  # the llama-bench rows are still there
+    assert plain["extra"]["drafted"] == 0 and plain["extra"]["draft"] == "off"
+    x = spec["extra"]
+    assert x["draft"] == "ngram" and x["same_reply_as_plain"] is True  # lossless
+    assert len(x["reps"]) == 2 and spec["avg_ts"] > 0 and plain["avg_ts"] > 0
+    for key, rep_key in (("drafted", "drafted"), ("accepted", "accepted"), ("draft_steps", "steps")):
+        assert x[key] == sum(r[rep_key] for r in x["reps"])
+    assert 0 < x["accepted"] <= x["drafted"]  # a rewrite repeats its prompt: drafts are made and taken
+    assert abs(x["accept_rate"] - x["accepted"] / x["drafted"]) < 1e-12
+    for r in x["reps"]:
+        assert abs(r["tokens_per_s"] - r["generated"] / r["seconds"]) < 1e-6 * r["tokens_per_s"]
+    bad = cli("bench", DEFAULT_NAME, "--pp", "16", "--tg", "8", "-r", "1", "--draft", "no-such-model", "--no-progress")
+    assert bad.exit_code != 0 and "error:" in bad.stderr and "Traceback" not in bad.stderr

@@ -7,6 +7,7 @@ import io
 
 import click
 
+from edgellm.chat import draft as chat_draft
 from edgellm.cli.output import cancellable, emit_json, progress_bar
 from edgellm.cli.worker_cmds import rpc_options
 from edgellm.engine.gpu import parse_size
@@ -72,6 +73,11 @@ CSV_FIELDS = [
 @click.option("--md", "fmt", flag_value="md", help="A Markdown table.")
 @click.option("--compare-llama-bench", is_flag=True, help="Also run llama-bench on the same files and print the ratio.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of tokens/s per level.")
+@click.option(
+    "--draft",
+    metavar="ngram|MODEL|auto",
+    help="Also time --tg tokens of a built-in code rewrite with and without speculative decoding (rows tgN@rewrite and tgN@rewrite+MODE: effective t/s, drafted, accepted).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @rpc_options
 def bench_cmd(
@@ -90,6 +96,7 @@ def bench_cmd(
     compare_llama_bench,
     plot_path,
     no_progress,
+    draft=None,
     rpc=None,
     rpc_split=None,
 ) -> None:
@@ -102,6 +109,10 @@ def bench_cmd(
     With --rpc: each test runs here and split across the workers, and the network's share of
     the time is reported (with --compare-llama-bench, llama-bench --rpc on the same split)."""
     settings = BenchSettings(pp=pp, tg=tg, repetitions=repetitions, threads=threads, n_ctx=n_ctx)
+    if draft is not None and chat_draft.parse_draft(draft) in ("off", "none"):
+        draft = None
+    if draft is not None and (rpc or rpc_split):
+        raise UsageError("--draft runs on this machine: leave out --rpc")
     if rpc or rpc_split:
         return _bench_rpc(
             models, rpc, rpc_split, settings, compare_llama_bench=compare_llama_bench, fmt=fmt, no_progress=no_progress
@@ -121,8 +132,10 @@ def bench_cmd(
             on_progress=progress_bar(not no_progress and fmt is None),
             cancel=cancel,
         )
+        if draft is not None:
+            rows += _draft_rows(models, settings, draft, progress_bar(not no_progress and fmt is None), cancel)
     if plot_path:
-        write_plot(rows, plot_path)
+        write_plot([r for r in rows if "draft" not in r.extra], plot_path)
     if fmt == "json":
         emit_json([r.to_json() for r in rows])
     elif fmt == "csv":
@@ -138,6 +151,37 @@ def bench_cmd(
         click.echo(_text(rows))
     if plot_path and fmt is None:
         click.echo(f"plot written to {plot_path}")
+
+
+def _draft_rows(models, settings: BenchSettings, draft: str, on_progress, cancel) -> list:
+    """bench --draft: the chat layer renders the request and attaches the draft; profile times it."""
+    from edgellm.chat.session import ChatTemplate, template_tokens
+    from edgellm.gguf.reader import read_gguf
+    from edgellm.models.resolve import resolve
+    from edgellm.profile.bench_draft import draft_rows
+
+    def prompt(rt, text: str) -> list[int]:
+        return template_tokens(rt, ChatTemplate.for_runtime(rt), [{"role": "user", "content": text}])
+
+    def attach(rt, value: str):
+        return chat_draft.attach(rt, value, warn=lambda m: click.echo(m, err=True))
+
+    out: list = []
+    for ref in models:
+        res = resolve(str(ref))
+        label = res.record.name if res.record else res.path.name
+        out += draft_rows(
+            res.path,
+            label,
+            read_gguf(res.path),
+            settings,
+            draft=draft,
+            prompt_tokens=prompt,
+            attach=attach,
+            on_progress=on_progress,
+            cancel=cancel,
+        )
+    return out
 
 
 def _bench_rpc(models, rpc, rpc_split, settings: BenchSettings, *, compare_llama_bench: bool, fmt, no_progress) -> None:
@@ -216,6 +260,15 @@ def _text(rows) -> str:
             lines.append(
                 f"{r.model} {r.test}: {r.n_gpu_layers} layers on {r.gpu_device or 'the GPU'}; llama.cpp allocated "
                 f"{_mb(r.device_bytes)} on the device, {_mb(r.host_bytes)} on the host"
+            )
+        if r.extra.get("draft") not in (None, "off"):
+            plain = next((p for p in rows if p.model == r.model and p.extra.get("draft") == "off"), None)
+            gain = f", {r.avg_ts / plain.avg_ts:.2f}x the plain row" if plain is not None and plain.avg_ts else ""
+            rate = r.extra["accept_rate"]
+            lines.append(
+                f"{r.model} {r.test}: drafted {r.extra['drafted']}, accepted {r.extra['accepted']}"
+                f" ({'-' if rate is None else f'{100 * rate:.0f}%'}) in {r.extra['draft_steps']} steps{gain};"
+                f" reply {'the same as' if r.extra['same_reply_as_plain'] else 'DIFFERENT from'} the plain one"
             )
         if r.roofline_ts:
             lines.append(

@@ -381,6 +381,12 @@ class Runtime:
             drafter, draft_max=s.draft_max or DEFAULT_DRAFT_MAX, cost=self.verify_cost, prior=self._draft_prior.get(mode)
         )
 
+    def forget_drafts(self) -> None:
+        """Forget the earlier replies drafts come from and the acceptance they ended with (not the
+        verify cost, which is the machine's): the next reply drafts as a fresh process's first would."""
+        self._spec_memory = []
+        self._draft_prior = {}
+
     def _remember(self, reply: list[int], budget: int = 8192) -> None:
         """Keep earlier replies (at most `budget` tokens) to draft from, as llama-server's shared n-gram table does."""
         if len(reply) < 4:
