@@ -17,7 +17,6 @@ threads: the two tests at 2 threads below).
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from edgellm.engine.ngram import NgramDrafter
 from edgellm.engine.runtime import GenerationStats, Runtime, RuntimeOptions, SamplingParams
 from edgellm.engine.speculative import DraftMismatch, DraftPolicy, VerifyCost
 from edgellm.engine.threads import ThreadController
+from support.stats import chi_square_p
 
 CODE = """def total_price(items, tax_rate):
     subtotal = 0
@@ -204,45 +204,6 @@ def test_long_prompt_at_two_threads_is_identical_with_and_without_drafts(default
         r.close()
 
 
-def _chi_square_p(a: Counter, b: Counter) -> float:
-    """Two-sample chi-square test of homogeneity (categories with < 5 expected pooled); the p-value."""
-    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
-    na, nb = sum(a.values()), sum(b.values())
-    rows, rest = [], [0, 0]
-    for k in keys:
-        if (a[k] + b[k]) * min(na, nb) / (na + nb) >= 5:
-            rows.append((a[k], b[k]))
-        else:
-            rest[0] += a[k]
-            rest[1] += b[k]
-    if sum(rest):
-        rows.append(tuple(rest))
-    if len(rows) < 2:
-        return 1.0
-    x2 = 0.0
-    for ca, cb in rows:
-        tot = ca + cb
-        for c, n in ((ca, na), (cb, nb)):
-            e = tot * n / (na + nb)
-            x2 += (c - e) ** 2 / e
-    return _chi2_sf(x2, len(rows) - 1)
-
-
-def _chi2_sf(x: float, k: int) -> float:
-    """Upper tail of the chi-square distribution (regularised gamma Q(k/2, x/2), by its series)."""
-    s, z = k / 2.0, x / 2.0
-    if z <= 0:
-        return 1.0
-    term = total = 1.0 / s
-    n = 1
-    while term > 1e-12 * total and n < 1000:
-        term *= z / (s + n)
-        total += term
-        n += 1
-    p_lower = math.exp(-z + s * math.log(z) - math.lgamma(s)) * total
-    return max(0.0, 1.0 - p_lower)
-
-
 def test_temperature_08_first_tokens_follow_the_same_distribution(rt):
     _cheap_verify(rt)
     prompt = _chat(rt, REPEAT)
@@ -265,7 +226,7 @@ def test_temperature_08_first_tokens_follow_the_same_distribution(rt):
                 accepted += st.draft_accepted
     assert accepted >= runs  # drafts were verified and accepted in the positions tested
     for i in range(1, n_pos):  # position 0 comes from the prompt's logits, never from a draft
-        p = _chi_square_p(plain[i], spec[i])
+        p = chi_square_p(plain[i], spec[i])
         assert p > 0.01, (i, p, plain[i].most_common(4), spec[i].most_common(4))
 
 

@@ -114,6 +114,9 @@ def usage_and_timings(start: dict[str, Any], st: GenerationStats) -> tuple[dict[
         "predicted_ms": round(st.generation_seconds * 1000, 3),
         "predicted_per_second": round(st.tokens_per_second, 3),
     }
+    if st.draft != "off":  # llama-server adds these when it speculates
+        timings["draft_n"] = st.draft_tokens
+        timings["draft_n_accepted"] = st.draft_accepted
     return usage, timings
 
 
