@@ -113,6 +113,7 @@ def part_serve(label: str, home: str, tokens: int, threads: int) -> dict:
     names = list(PROMPTS)
     out: dict = {"servers": {}}
     replies: dict[str, list[str]] = {n: [] for n in names}
+    per_server: dict[str, dict[str, list[str]]] = {}
     for server, extra in (("plain", []), ("ngram", ["--draft", "ngram"])):
         args = [label, "--parallel", "4", "--ctx", "8192", "--threads", str(threads), *extra]
         proc, url = start_serve(*args, env=dict(os.environ, EDGELLM_HOME=home) if home else None)
@@ -130,6 +131,7 @@ def part_serve(label: str, home: str, tokens: int, threads: int) -> dict:
                 metrics = r.read().decode()
         finally:
             stop_process(proc)
+        per_server[server] = {n: [r["text"] for m, r in got if m == n] for n in names}
         for n, r in got:
             replies[n].append(r["text"])
         drafted = sum(r["timings"].get("draft_n", 0) for _, r in got)
@@ -148,6 +150,9 @@ def part_serve(label: str, home: str, tokens: int, threads: int) -> dict:
             "counters_agree": drafted == m_drafted and accepted == m_accepted,
         }
     out["identical"] = {n: len(set(rs)) == 1 for n, rs in replies.items()}
+    # where a prompt's replies differ: between the clients of one server (the batch) or only across servers
+    out["distinct_replies"] = {n: {sv: len(set(rs[n])) for sv, rs in per_server.items()} for n in names}
+    out["replies"] = per_server
     ng = out["servers"]["ngram"]
     out["ok"] = all(out["identical"].values()) and ng["counters_agree"] and ng["accepted_replies"] > 0
     return out

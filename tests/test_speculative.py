@@ -376,9 +376,13 @@ def test_serve_draft_default_per_request_field_and_llamacpp_counters(tmp_path, d
             ).encode()
             req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=300) as r:
-                return json.load(r)["choices"][0]["message"]["content"]
+                j = json.load(r)
+            timings.append(j["timings"])
+            return j["choices"][0]["message"]["content"]
 
+        timings: list[dict] = []
         assert ask() == ask(draft="off")  # the server default drafts; the field turns it off; same reply
+        assert "draft_n" in timings[0] and "draft_n" not in timings[1]
         with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
             text = r.read().decode()
         vals = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("llamacpp:")}
@@ -387,6 +391,8 @@ def test_serve_draft_default_per_request_field_and_llamacpp_counters(tmp_path, d
             vals["llamacpp:spec_decode_num_accepted_tokens_total"],
         )
         assert 0 <= accepted <= drafted and "llamacpp:spec_decode_num_drafts_total" in vals
+        # the reply's own counters are the server's: a reply that ends inside a verify step counts that step too
+        assert (timings[0]["draft_n"], timings[0]["draft_n_accepted"]) == (drafted, accepted)
         assert sum(v for k, v in vals.items() if "per_pos" in k) == accepted  # per position adds up, as llama-server's does
     finally:
         stop_process(proc, timeout=20)

@@ -75,6 +75,8 @@ class Sequence:
     spec: Any = None  # an engine.speculative.Speculator when the request drafts
     draft: list[int] = field(default_factory=list)  # drafted tokens decoded after `last` this step
     rows: list[int] = field(default_factory=list)  # their output rows, `last`'s first
+    # a verify step being sampled: (drafted tokens accepted so far, its seconds); None otherwise
+    verifying: Optional[tuple[int, float]] = None
     leader: Optional[Sequence] = None  # a sequence computing a prefix this one waits to copy
     wait_for: int = 0  # the leader's prompt tokens that must be in its cache first
 
@@ -302,22 +304,16 @@ class BatchEngine:
         acc = 0
         for j, row in enumerate(s.rows):
             s.out = row
+            s.verifying = (acc, seconds)  # a row that ends the reply counts this step in _finish, before the reply is sent
             self._sample(s, now)
             if self.slots[s.slot] is not s or j >= len(s.draft) or s.last != s.draft[j]:
                 break
             cached.append(s.last)  # its cell was decoded in this step
             acc += 1
-        rejected = self.slots[s.slot] is s and acc < len(s.draft)
-        s.spec.verified(len(s.draft), acc, rejected, seconds)
-        self.drafts.add(len(s.draft), acc)
-        if self.slots[s.slot] is not s:  # finished in this step: its stats were filled before this verify counted
-            c, st = s.spec.counters, s.stats
-            st.draft_tokens, st.draft_accepted, st.draft_steps, st.draft_accepted_per_pos = (
-                c.drafted,
-                c.accepted,
-                c.steps,
-                list(c.per_pos),
-            )
+        if s.verifying is not None:  # still running: the step ends here
+            s.verifying = None
+            s.spec.verified(len(s.draft), acc, acc < len(s.draft), seconds)
+            self.drafts.add(len(s.draft), acc)
         llama_cpp.llama_memory_seq_rm(self.mem, s.slot, len(cached), -1)  # the rejected tail, or what a stop cut off
         s.draft = []
 
@@ -350,6 +346,11 @@ class BatchEngine:
         st = s.stats
         st.stop_reason = reason
         if s.spec is not None:
+            if s.verifying is not None:  # ended inside a verify step: count it now, the reply carries it
+                acc, seconds = s.verifying
+                s.verifying = None
+                s.spec.verified(len(s.draft), acc, False, seconds)
+                self.drafts.add(len(s.draft), acc)
             c = s.spec.counters
             st.draft_tokens, st.draft_accepted, st.draft_steps, st.draft_accepted_per_pos = (
                 c.drafted,
