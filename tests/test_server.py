@@ -527,6 +527,36 @@ def test_shared_system_prompt_is_served_from_the_prefix_cache(batching):
     assert m[f'edgellm_cached_prompt_tokens_total{{model="{DEFAULT_NAME}"}}'] >= 7000
 
 
+def test_a_reused_prefix_gives_the_reply_a_fresh_prompt_gives(batching):
+    # ggml tiles the attention of 64+ rows of one sequence and sums fewer row by row: a prompt whose
+    # cached prefix was reused and whose last 2 tokens were re-decoded row by row got another reply
+    # than the same prompt computed fresh (this summary did, from its 20th token, before `_reuse`
+    # re-decoded a tiled tail)
+    _, url = batching
+    c = _par_client(url)
+    passage = (
+        "The lighthouse on the northern cape was built in 1821 from granite quarried on the island. For a century its lamp "
+        "burned whale oil, then paraffin, and from 1923 electricity brought by a cable laid across the strait. In 1921 a "
+        "storm broke the great lens; the town raised the money in a month and rebuilt it in a single summer."
+    )
+    q = f"Summarize this passage in a few sentences, quoting it where you can:\n\n{passage} (run {time.time()})"
+    rs = [_ask_n(c, q, 48) for _ in range(3)]
+    assert rs[0].usage.prompt_tokens_details.cached_tokens == 0 and rs[0].usage.prompt_tokens >= 64
+    assert all(r.usage.prompt_tokens_details.cached_tokens > 0 for r in rs[1:])
+    assert [r.choices[0].message.content for r in rs[1:]] == [rs[0].choices[0].message.content] * 2
+
+    def logprobs(r) -> list[list[float]]:  # every token's top 5, to the bit: a tie need not flip to see the sums differ
+        return [[t.logprob for t in tok.top_logprobs] for tok in r.choices[0].logprobs.content]
+
+    assert logprobs(rs[1]) == logprobs(rs[0]) and logprobs(rs[2]) == logprobs(rs[0])
+
+
+def _ask_n(c: openai.OpenAI, q: str, n: int):
+    return c.chat.completions.create(
+        model=DEFAULT_NAME, max_tokens=n, temperature=0, logprobs=True, top_logprobs=5, messages=[{"role": "user", "content": q}]
+    )
+
+
 def test_requests_arriving_together_compute_their_shared_system_prompt_once(batching):
     # What RAG front ends send: one long system prompt, several clients at once. Without grouping,
     # each of the PAR sequences computes the 1,000 tokens itself; with it, one does and the others copy.

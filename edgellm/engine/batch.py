@@ -49,6 +49,12 @@ from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, DraftCounters, Specula
 # Waiting for another prompt pays when it saves at least this many tokens of prefill:
 # below it, the wait (a chunk of the leader's prompt) costs about what it saves.
 GROUP_MIN = 64
+# ggml's CPU flash attention takes a tiled path for this many query rows of one sequence in a
+# ubatch or more (GGML_FA_TILE_Q) and sums fewer row by row, which rounds differently. A fresh
+# prompt of at least FA_TILE tokens is computed in chunks of at least FA_TILE, so every cell of
+# it is tiled; a shorter one row by row, as replies are. Reused cells must have been computed
+# the way a fresh prompt's would be, or the reply depends on what the cache held (`_reuse`).
+FA_TILE = 64
 
 
 @dataclass
@@ -114,9 +120,12 @@ class BatchEngine:
         self.n_ctx = rt.n_ctx  # KV cells in all
         self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(self.ctx))  # a sequence's own stream: its longest prompt + reply
         self.batch = Batch(max(n_parallel, min(rt.options.n_batch, self.n_ctx)), 1)
-        self.prompt_chunk = max(1, prompt_chunk)
+        self.prompt_chunk = max(FA_TILE, prompt_chunk)  # a long prompt's chunks stay tiled
         self.slots: list[Optional[Sequence]] = [None] * n_parallel
         self.cached: list[list[int]] = [[] for _ in range(n_parallel)]  # tokens each seq_id holds in the KV cache
+        # of those, the leading cells computed as prompt, and whether tiled (a prompt of FA_TILE+ tokens) or row by row
+        self.prompt_cells = [0] * n_parallel
+        self.tiled = [False] * n_parallel
         self.used_at = [0.0] * n_parallel
         self.default_seed = rt.options.seed
         # counters for /metrics
@@ -177,15 +186,25 @@ class BatchEngine:
     def _reuse(self, seq: Sequence) -> int:
         """Set up `seq`'s slot with the longest cached prefix of its prompt (its own slot's, or a copy); returns it."""
         prompt, dst = seq.prompt, seq.slot
-        src, best = dst, common_prefix(self.cached[dst], prompt)
+        tiled = len(prompt) >= FA_TILE
+
+        def usable(i: int) -> int:
+            # a long prompt reuses only cells computed tiled as prompt; a short one, row-by-row cells (replies too)
+            if self.tiled[i] != tiled:
+                return 0
+            n = common_prefix(self.cached[i], prompt)
+            return min(n, self.prompt_cells[i]) if tiled else n
+
+        src, best = dst, usable(dst)
         for i in range(self.n_parallel):
             if i != dst and len(self.cached[i]) > best:
-                n = common_prefix(self.cached[i], prompt)
+                n = usable(i)
                 if n > best:
                     src, best = i, n
-        # The last prompt token is decoded again for its logits, with one more
-        # so that the piece is never a single token (see `step`).
-        keep = max(0, min(best, len(prompt) - 2))
+        # The last prompt token is decoded again for its logits, in a tail of at least FA_TILE tokens
+        # when the prompt is tiled (the same path as fresh), else with one more so that the piece is
+        # never a single token (see `step`).
+        keep = max(0, min(best, len(prompt) - (FA_TILE if tiled else 2)))
         if src == dst:
             llama_cpp.llama_memory_seq_rm(self.mem, dst, keep, -1)
         else:
@@ -195,6 +214,7 @@ class BatchEngine:
                 llama_cpp.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
                 llama_cpp.llama_memory_seq_rm(self.mem, dst, keep, -1)
         self.cached[dst] = list(prompt[:keep])
+        self.prompt_cells[dst], self.tiled[dst] = keep, tiled
         seq.n_done = keep
         return keep
 
@@ -263,10 +283,11 @@ class BatchEngine:
             if left <= 0 or self.slots[s.slot] is not s or (s.leader is not None and not self._follow(s)):
                 continue
             left = len(s.prompt) - s.n_done
-            # Chunks only matter while others generate; alone, a prompt takes the whole batch.
+            # Chunks only matter while others generate; alone, a prompt takes the whole batch. None is
+            # left shorter than FA_TILE (or a single token), so a prompt's cells all take one path.
             k = min(left, self.prompt_chunk if self.active() > 1 else self.batch.capacity)
-            if left - k == 1:
-                k = k - 1 if k > 2 else min(left, self.batch.capacity)
+            if 0 < left - k < FA_TILE:
+                k = left if left <= self.batch.capacity else k - FA_TILE
             start = s.n_done
 
             def fill(b: Batch, live: list[Sequence], s: Sequence = s, start: int = start, k: int = k) -> None:
@@ -279,6 +300,7 @@ class BatchEngine:
                 continue
             self.cached[s.slot].extend(s.prompt[start : start + k])
             s.n_done += k
+            self.prompt_cells[s.slot] = s.n_done
             if s.out >= 0:
                 self._sample(s, time.perf_counter())
         return n
@@ -380,6 +402,7 @@ class BatchEngine:
         i = min(idle, key=lambda i: self.used_at[i])
         llama_cpp.llama_memory_seq_rm(self.mem, i, -1, -1)
         self.cached[i] = []
+        self.prompt_cells[i] = 0
         return True
 
     def cancel_all(self, reason: str = "cancelled") -> None:
