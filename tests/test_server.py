@@ -541,8 +541,9 @@ def test_a_reused_prefix_gives_the_reply_a_fresh_prompt_gives(batching):
     )
     q = f"Summarize this passage in a few sentences, quoting it where you can:\n\n{passage} (run {time.time()})"
     rs = [_ask_n(c, q, 48) for _ in range(3)]
-    assert rs[0].usage.prompt_tokens_details.cached_tokens == 0 and rs[0].usage.prompt_tokens >= 64
-    assert all(r.usage.prompt_tokens_details.cached_tokens > 0 for r in rs[1:])
+    first = rs[0].usage.prompt_tokens_details.cached_tokens  # at most the chat template's system prompt, from another slot
+    assert rs[0].usage.prompt_tokens >= 64 and first < 40
+    assert all(r.usage.prompt_tokens_details.cached_tokens > first for r in rs[1:])
     assert [r.choices[0].message.content for r in rs[1:]] == [rs[0].choices[0].message.content] * 2
 
     def logprobs(r) -> list[list[float]]:  # every token's top 5, to the bit: a tie need not flip to see the sums differ

@@ -52,8 +52,8 @@ GROUP_MIN = 64
 # ggml's CPU flash attention takes a tiled path for this many query rows of one sequence in a
 # ubatch or more (GGML_FA_TILE_Q) and sums fewer row by row, which rounds differently. A fresh
 # prompt of at least FA_TILE tokens is computed in chunks of at least FA_TILE, so every cell of
-# it is tiled; a shorter one row by row, as replies are. Reused cells must have been computed
-# the way a fresh prompt's would be, or the reply depends on what the cache held (`_reuse`).
+# it is tiled; a shorter one row by row, as replies are. Reused prompt cells must have been
+# computed the way a fresh prompt's would be, or the reply depends on what the cache held (`_reuse`).
 FA_TILE = 64
 
 
@@ -123,8 +123,7 @@ class BatchEngine:
         self.prompt_chunk = max(FA_TILE, prompt_chunk)  # a long prompt's chunks stay tiled
         self.slots: list[Optional[Sequence]] = [None] * n_parallel
         self.cached: list[list[int]] = [[] for _ in range(n_parallel)]  # tokens each seq_id holds in the KV cache
-        # of those, the leading cells computed as prompt, and whether tiled (a prompt of FA_TILE+ tokens) or row by row
-        self.prompt_cells = [0] * n_parallel
+        # whether each slot's prompt cells were computed tiled (a prompt of FA_TILE+ tokens) or row by row
         self.tiled = [False] * n_parallel
         self.used_at = [0.0] * n_parallel
         self.default_seed = rt.options.seed
@@ -189,11 +188,10 @@ class BatchEngine:
         tiled = len(prompt) >= FA_TILE
 
         def usable(i: int) -> int:
-            # a long prompt reuses only cells computed tiled as prompt; a short one, row-by-row cells (replies too)
-            if self.tiled[i] != tiled:
-                return 0
-            n = common_prefix(self.cached[i], prompt)
-            return min(n, self.prompt_cells[i]) if tiled else n
+            # prompt cells computed on the path this prompt's take: tiled for a long one, row by row for a short
+            # one. A conversation's earlier reply (row by row, drafts or not) is reused as llama-server does: a
+            # next turn does not recompute it, and with or without drafts its cells are the same
+            return common_prefix(self.cached[i], prompt) if self.tiled[i] == tiled else 0
 
         src, best = dst, usable(dst)
         for i in range(self.n_parallel):
@@ -214,7 +212,7 @@ class BatchEngine:
                 llama_cpp.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
                 llama_cpp.llama_memory_seq_rm(self.mem, dst, keep, -1)
         self.cached[dst] = list(prompt[:keep])
-        self.prompt_cells[dst], self.tiled[dst] = keep, tiled
+        self.tiled[dst] = tiled
         seq.n_done = keep
         return keep
 
@@ -300,7 +298,6 @@ class BatchEngine:
                 continue
             self.cached[s.slot].extend(s.prompt[start : start + k])
             s.n_done += k
-            self.prompt_cells[s.slot] = s.n_done
             if s.out >= 0:
                 self._sample(s, time.perf_counter())
         return n
@@ -402,7 +399,6 @@ class BatchEngine:
         i = min(idle, key=lambda i: self.used_at[i])
         llama_cpp.llama_memory_seq_rm(self.mem, i, -1, -1)
         self.cached[i] = []
-        self.prompt_cells[i] = 0
         return True
 
     def cancel_all(self, reason: str = "cancelled") -> None:
