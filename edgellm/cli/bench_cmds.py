@@ -155,7 +155,8 @@ def bench_cmd(
 
 def _draft_rows(models, settings: BenchSettings, draft: str, on_progress, cancel) -> list:
     """bench --draft: the chat layer renders the request and attaches the draft; profile times it."""
-    from edgellm.chat.session import ChatTemplate, template_tokens
+    from edgellm.chat.session import template_tokens
+    from edgellm.chat.template import ChatTemplate
     from edgellm.gguf.reader import read_gguf
     from edgellm.models.resolve import resolve
     from edgellm.profile.bench_draft import draft_rows

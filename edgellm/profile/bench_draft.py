@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from edgellm.engine.runtime import GenerationStats, Runtime, RuntimeOptions, SamplingParams
+from edgellm.errors import UsageError
 from edgellm.profile._worker import stats_ts
 from edgellm.profile.results import machine_id
 from edgellm.profile.rows import BenchRow
@@ -81,8 +82,6 @@ def draft_rows(
         choice = attach(rt, draft)
         prompt = prompt_tokens(rt, REQUEST)
         if len(prompt) + tg > rt.n_ctx:
-            from edgellm.errors import UsageError
-
             raise UsageError(f"--ctx {rt.n_ctx} is too small for the draft row ({len(prompt)} prompt tokens + --tg {tg})")
         arms = [("off", "off"), (choice.mode, choice.mode)]
         runs: dict[str, list[GenerationStats]] = {name: [] for name, _ in arms}
