@@ -62,7 +62,7 @@ from quant.allocate import hull as hull_of
 from quant.imatrix import ImatrixChoice, calibration_text
 from quant.imatrix_file import IMatrix
 from quant.quantize import QuantizeResult
-from quant.recipe import FILE_TYPE, NEEDS_IMATRIX, TYPES, Recipe, RecipeJob, llama_quantize_text, recipes_folder, resolve_base
+from quant.recipe import FILE_TYPE, TYPES, Recipe, RecipeJob, llama_quantize_text, recipes_folder, resolve_base
 
 SAMPLE_ROWS = 256
 # What a --budget job reports, in order (its progress tasks are prefixed "2/4 calibrate: ..."):
@@ -137,7 +137,7 @@ def measure(
 
             def option(name: str, src=src, imp=imp, weight=weight, rows=rows, cols=cols, n=len(pick)):
                 tid, blk = TYPES[name]
-                if cols % blk or (name in NEEDS_IMATRIX and imp is None):
+                if cols % blk:
                     return None
                 back = g.to_float(tid, g.quantize(tid, src, imp), src.shape)
                 d2 = np.square(src - back, dtype=np.float64)
@@ -187,7 +187,6 @@ def smallest_bytes(model_path: Path, types: Sequence[str]) -> int:
             t.shape[1] * g.row_size(TYPES[n][0], t.shape[0])
             for n in types
             if len(t.shape) == 2
-            and (n not in NEEDS_IMATRIX or t.name.startswith("blk."))  # no entry for token_embd/output
             and t.name.endswith(".weight")
             and t.type_name in ("F16", "F32")
             and t.shape[0] % TYPES[n][1] == 0
