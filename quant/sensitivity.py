@@ -63,7 +63,8 @@ from quant.perplexity import ChunkPlan, LogitsRunner, _quiet_llama, score
 
 VERSION = 3  # 3: the first two and the last layer are groups of their own (depth_buckets)
 # 128 tokens: on the gridless 135M, Q4_K_M/Q3_K_M ratios 0.673/0.443 at 128 against 0.672/0.446 at 256
-# (0.676/0.464 at 64), for 0.64x the probe time; at x4 a probe is mostly its F16 forward pass, so nearly half
+# (0.676/0.464 at 64), for 0.64x the probe time; at x4 the forward pass (~3 s on 2 cores) is a third of an
+# average probe, the rounding of the group's matrices the rest
 PROBE_CTX = 128
 PROBE_CHUNKS = 1
 PROBE_FIRST = 8  # scored from the 9th token: 119 of the 128 evaluated
