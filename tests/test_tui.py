@@ -290,7 +290,8 @@ def test_chat_streams_a_reply_and_escape_stops_one(default_model):
             scr.query_one("#set-seed", Input).value = "7"
             await type_text(pilot, "Hello! Who are you?")
             await pilot.press("enter")
-            await wait_for(pilot, lambda: scr.generating, 10, "generation to start")
+            # started, or (a short reply on a fast core) already streamed by the time the pilot looks
+            await wait_for(pilot, lambda: scr.generating or scr.stream_updates > 0, 10, "generation to start")
             lengths = []
 
             def grow():
@@ -323,8 +324,9 @@ def test_chat_streams_a_reply_and_escape_stops_one(default_model):
     assert not [m for s, m in notices if s == "error"], notices
     assert first["stats"].generated_tokens > 0
     assert first["reply"].strip()
-    # streamed: the screen showed the reply growing in several steps
-    assert first["updates"] >= 2 and len(set(first["lengths"])) >= 2, first
+    # streamed: the screen showed the reply growing in several steps (its own count of updates; the pilot's
+    # polls may see fewer of them when the reply is short and the core fast)
+    assert first["updates"] >= 2, first
     assert first["reply"].strip()[:20] in first["shown"]
     assert "tok/s" in first["status"] and "RSS" in first["status"]
     st = second["stats"]
