@@ -34,8 +34,14 @@ FILE_TYPE = "q4_k_m"  # the file type llama.cpp records; every quantized tensor 
 # the types a recipe may name, in the order --budget offers them, as (ggml type id, block width)
 TYPES: dict[str, tuple[int, int]] = {
     name: type_id_block(name)
-    for name in ("Q2_K", "Q3_K", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q8_0")
-}
+    for name in (
+        "IQ2_S", "Q2_K", "Q3_K", "IQ3_S", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K",
+        "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q8_0",
+    )
+}  # fmt: skip
+# llama.cpp refuses these without an importance entry for the matrix (tensor_requires_imatrix(), which spares
+# token_embd and output): the search offers them only where the matrix has one
+NEEDS_IMATRIX = frozenset({"IQ2_S"})
 
 
 @dataclass
@@ -198,6 +204,12 @@ def apply_recipe(
     lineage = {"file": recipe.file, "made_for": recipe.model, "tensors": len(recipe.tensor_types)}
     recipe.search_seconds = 0.0
     choice = job.imatrix(imatrix) if imatrix is not None else None
+    needy = sorted({t for _p, t in recipe.tensor_types if t in NEEDS_IMATRIX})
+    if needy and choice is None:
+        raise UsageError(
+            f"the recipe uses {', '.join(needy)}, which llama.cpp quantizes only with an importance matrix: "
+            "add --imatrix auto (or the matrix the recipe names)"
+        )
     return job.quantize(recipe, lineage, label, choice), recipe
 
 

@@ -93,3 +93,32 @@ def test_budget_beats_imatrix_q4_k_m_on_the_gridless_base(default_gguf, llama_to
     )
     kld = {lv["name"]: lv["kld_mean"] for lv in rep["levels"]}
     assert kld[out["name"]] < kld["gl-q4_k_m-imat"], kld
+
+
+def test_a_blown_up_row_counts_at_most_row_cap_medians():
+    """IQ3_S's rounding can blow up one row of a matrix: that row must not set the proxy of its whole group."""
+    import numpy as np
+
+    from quant.budget import ROW_CAP, proxy_error
+
+    rows = np.ones(256)
+    assert proxy_error(rows, 1024) == pytest.approx(1024)  # an even matrix: the sample scaled to all rows
+    rows[7] = 1000.0
+    assert proxy_error(rows, 1024) == pytest.approx((255 + ROW_CAP) * 4)
+
+
+def test_a_cached_probe_takes_this_runs_proxy_error():
+    from quant.allocate import Matrix
+    from quant.budget import with_current_errors
+    from quant.sensitivity import ProbeResult
+
+    groups = {
+        "ffn_down/2-10": [Matrix(f"blk.{i}.ffn_down.weight", 8, 256, [("Q4_K", 100, 2.0), ("Q6_K", 200, 0.5)]) for i in (2, 3)]
+    }
+    cached = {
+        ("ffn_down/2-10", "Q4_K"): ProbeResult(kld=0.04, kld_err=0.001, error=40.0, matrices=2, seconds=1.0),
+        ("ffn_down/2-10", "IQ3_S"): ProbeResult(kld=0.09, kld_err=0.001, error=9.0, matrices=2, seconds=1.0),
+    }
+    now = with_current_errors(cached, groups)
+    assert now[("ffn_down/2-10", "Q4_K")].error == 4.0 and now[("ffn_down/2-10", "Q4_K")].gain == pytest.approx(0.01)
+    assert now[("ffn_down/2-10", "IQ3_S")] == cached[("ffn_down/2-10", "IQ3_S")]  # not a candidate now: as cached

@@ -335,8 +335,8 @@ def test_budget_below_smallest_file_names_the_minimum(cli, f16_model, session_im
     err = _refused(
         cli, edgellm_home, "quantize", F16_NAME, "--budget", "50MB", "--exclude-types", "q4_1", "--imatrix", str(session_imatrix)
     )
-    # every matrix in its cheapest type (Q2_K where 256 divides the width, else Q4_0) is 71.4 MB here
-    assert "below the smallest file" in err and "71.4 MB" in err and "50.0 MB" in err
+    # every matrix in its cheapest type (IQ2_S where 256 divides the width, else Q4_0) is 71.2 MB here
+    assert "below the smallest file" in err and "71.2 MB" in err and "50.0 MB" in err
     assert "unknown type" in _refused(cli, edgellm_home, "quantize", F16_NAME, "--budget", "90MB", "--exclude-types", "q9_9")
     assert "give a size" in _refused(cli, edgellm_home, "quantize", F16_NAME, "--budget", "lots")
     assert "drop --level" in _refused(cli, edgellm_home, "quantize", F16_NAME, "--budget", "90MB", "-l", "q4_0")
@@ -490,6 +490,10 @@ def test_recipe_for_another_architecture_or_layout_is_refused(cli, f16_model, ed
     assert "not an edgellm recipe" in _refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", str(p))
     p.write_text(json.dumps({"architecture": "llama", "tensor_types": [["^blk\\.(0", "Q4_0"]]}))
     assert "is not a regular expression" in _refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", str(p))
+    # IQ2_S on a 1536-wide ffn_down fits its blocks, but llama.cpp quantizes it only with a matrix
+    p.write_text(json.dumps({"architecture": "llama", "tensor_types": [["^blk\\.3\\.ffn_down\\.weight$", "IQ2_S"]]}))
+    err = _refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", str(p))
+    assert "IQ2_S" in err and "--imatrix auto" in err
 
 
 def test_kill_9_during_budget_search_leaves_nothing(cli, f16_model, session_imatrix, edgellm_home):
