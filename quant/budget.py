@@ -161,7 +161,8 @@ def proxy_error(per_row: np.ndarray, rows: int) -> float:
     ROW_CAP x the median row. A few rows can blow up in one type (IQ3_S: one sampled row of the gridless x4
     model's blk.11.ffn_down held 95% of that matrix's error), and uncapped that one row sets the whole group's
     proxy, so its measured gain (KLD / proxy) comes out ~7x low for every other matrix of the group."""
-    capped = np.minimum(per_row, ROW_CAP * np.median(per_row))
+    hit = per_row[per_row > 0]  # rows rounded exactly (all-zero padding rows) must not cap the others to 0
+    capped = np.minimum(per_row, ROW_CAP * np.median(hit)) if hit.size else per_row
     return float(capped.sum()) * rows / max(1, len(per_row))
 
 

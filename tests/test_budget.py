@@ -105,6 +105,10 @@ def test_a_blown_up_row_counts_at_most_row_cap_medians():
     assert proxy_error(rows, 1024) == pytest.approx(1024)  # an even matrix: the sample scaled to all rows
     rows[7] = 1000.0
     assert proxy_error(rows, 1024) == pytest.approx((255 + ROW_CAP) * 4)
+    # a matrix whose sampled rows are mostly exact (zero padding rows): the cap comes from the rows with an error
+    rows[:200], rows[250] = 0.0, 1000.0
+    assert proxy_error(rows, 256) == pytest.approx(55 + ROW_CAP)
+    assert proxy_error(np.zeros(256), 256) == 0.0
 
 
 def test_a_cached_probe_takes_this_runs_proxy_error():
