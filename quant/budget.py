@@ -262,10 +262,16 @@ def _wanted(
             used = Counter(choice[m.name] for m in ms if (g, choice[m.name]) not in results)
             picks = {t for t, _n in used.most_common(PICKS_PER_GROUP)}
         for t in sorted(picks):
-            if (g, t) not in results:
-                err = sum(next(o[2] for o in m.options if o[0] == t) for m in ms)
+            err = group_error(ms, t) if (g, t) not in results else None
+            if err is not None:  # a type some of the group's matrices cannot take is not probed: it borrows
                 want.append((g, t, [m.name for m in ms], err))
     return want
+
+
+def group_error(ms: Sequence[Matrix], type_name: str) -> Optional[float]:
+    """The group's proxy error in a type: the sum over its matrices; None if any of them cannot take it."""
+    errs = [next((o[2] for o in m.options if o[0] == type_name), None) for m in ms]
+    return None if not errs or None in errs else sum(e for e in errs if e is not None)
 
 
 def with_current_errors(
@@ -275,9 +281,9 @@ def with_current_errors(
     so a gain (KLD / error) stays consistent with the errors it scales when the proxy changes (the row cap)."""
     out = dict(results)
     for (g, t), r in results.items():
-        errs = [next((o[2] for o in m.options if o[0] == t), None) for m in groups.get(g, [])]
-        if errs and None not in errs:
-            out[(g, t)] = replace(r, error=sum(e for e in errs if e is not None))
+        err = group_error(groups.get(g, []), t)
+        if err is not None:
+            out[(g, t)] = replace(r, error=err)
     return out
 
 
