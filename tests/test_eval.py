@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,12 +35,13 @@ def _eval_args(base: str, levels: list[str], text: list, ctx: int, chunks: int, 
 
 
 @pytest.fixture(scope="module")
-def smol_env(tmp_path_factory, default_gguf) -> dict:
+def smol_env(tmp_path_factory, default_gguf) -> Iterator[dict]:
     home = tmp_path_factory.mktemp("eval-home")
     env = dict(os.environ, EDGELLM_HOME=str(home))
     env.pop("EDGELLM_FAKE_FREE_BYTES", None)
     register_default(default_gguf, home)
-    return env
+    yield env
+    shutil.rmtree(home, ignore_errors=True)  # its F16 and quantized levels: not kept for the rest of the session
 
 
 @pytest.fixture(scope="module")

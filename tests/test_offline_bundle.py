@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,7 @@ def write_sums(bundle: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def bundle(default_gguf, tmp_path_factory) -> Path:
+def bundle(default_gguf, tmp_path_factory) -> Iterator[Path]:
     """A bundle with the default model, built once for this module."""
     home = tmp_path_factory.mktemp("bundle-home")
     register_default(default_gguf, home)
@@ -83,7 +84,8 @@ def bundle(default_gguf, tmp_path_factory) -> Path:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == str(dest)
-    return dest
+    yield dest
+    shutil.rmtree(dest.parent, ignore_errors=True)  # its wheels and model: not kept for the rest of the session
 
 
 def test_the_bundle_holds_every_wheel_the_models_and_their_sums(bundle):
@@ -219,7 +221,7 @@ ZEN4, ZEN2 = CPUINFO / "zen4-epyc-9654.txt", CPUINFO / "zen2-epyc-7742.txt"
 
 
 @pytest.fixture(scope="module")
-def avx512_bundle(default_gguf, tmp_path_factory) -> Path:
+def avx512_bundle(default_gguf, tmp_path_factory) -> Iterator[Path]:
     """A bundle made on an AVX-512 EPYC (Zen 4: `avx512vbmi` beside `avx512_vbmi2`), from its recorded
     flags: setup's flag set for that CPU, and this machine's wheel carried under it (what runs here)."""
     home = tmp_path_factory.mktemp("bundle-home-zen4")
@@ -235,7 +237,8 @@ def avx512_bundle(default_gguf, tmp_path_factory) -> Path:
         timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return dest
+    yield dest
+    shutil.rmtree(dest.parent, ignore_errors=True)
 
 
 def test_a_bundle_made_on_an_avx512_cpu_names_its_flags_in_both_spellings(avx512_bundle):

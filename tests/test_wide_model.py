@@ -7,8 +7,10 @@ F16) here; the 1.93B and 7.3B models are made by scripts/bench_scale.py.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +34,12 @@ def reply(cli_subprocess, model: Path, prompt: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def wide_x2(default_gguf, tmp_path_factory) -> tuple[Path, str]:
+def wide_x2(default_gguf, tmp_path_factory) -> Iterator[tuple[Path, str]]:
     out = tmp_path_factory.mktemp("wide") / "wide-x2-f16.gguf"
     res = run_script(default_gguf, "--factor", "2", "-o", out)
     assert res.returncode == 0, res.stderr
-    return out, res.stdout
+    yield out, res.stdout
+    shutil.rmtree(out.parent, ignore_errors=True)  # 1.1 GB: not kept for the rest of the session
 
 
 def test_factor_2_doubles_every_unit_and_passes_its_own_check(wide_x2, default_gguf):
