@@ -15,5 +15,7 @@ echo "[test] linting: ruff check, ruff format --check, mypy (configuration in py
 echo "[test] building llama.cpp's reference tools (cached after the first run)"
 EDGELLM_LLAMA_TOOLS="$(scripts/build_llama_tools.sh)"
 export EDGELLM_LLAMA_TOOLS
-echo "[test] running pytest"
+# CI runs pytest with -q, which hides pytest's header: the free disk is said here, so a run that
+# fails on "not enough disk" says at once why
+echo "[test] running pytest ($(df -h --output=avail "${TMPDIR:-/tmp}" | tail -1 | tr -d ' ') free in ${TMPDIR:-/tmp})"
 exec .venv/bin/python -m pytest "$@"

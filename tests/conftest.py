@@ -22,15 +22,6 @@ from support.helpers import DEFAULT_REF, WIKITEXT, CliResult, llama_tools_dir, r
 pytest_plugins = ["support.quant_fixtures"]
 
 
-def pytest_report_header(config) -> str:
-    """Free disk where the tests write: a run that fails on 'not enough disk' says at once why."""
-    import shutil
-    import tempfile
-
-    tmp = tempfile.gettempdir()
-    return f"edgellm: {shutil.disk_usage(tmp).free / 1e9:.1f} GB free in {tmp}"
-
-
 @pytest.fixture(autouse=True)
 def edgellm_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "edgellm-home"
