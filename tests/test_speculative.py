@@ -29,7 +29,7 @@ import pytest
 from edgellm.engine import backends
 from edgellm.engine.ngram import NgramDrafter
 from edgellm.engine.runtime import GenerationStats, Runtime, RuntimeOptions, SamplingParams
-from edgellm.engine.speculative import DraftMismatch, DraftPolicy, VerifyCost
+from edgellm.engine.speculative import DraftMismatch, DraftPolicy, Speculator, VerifyCost
 from edgellm.engine.threads import ThreadController
 from support.stats import chi_square_p
 
@@ -112,6 +112,26 @@ def test_policy_drafts_long_when_drafts_are_right_and_not_at_all_when_wrong():
     cheap.observe(1, 0.010)
     cheap.observe(5, 0.011)
     assert cheap.ratio(5) == pytest.approx(1.1) and q.__class__(cost=cheap, hits=q.hits, misses=q.misses).choose(0, 40) > 0
+
+
+def test_a_copy_of_the_prompt_turns_drafting_on_while_it_is_being_copied():
+    # a reply that starts copying an 80-token passage of its prompt: the shadow draft from the first
+    # 2-token match is right token after token, and those tokens teach the longer-match buckets
+    # the copy is now in. Counted per draft's starting match instead, the copy ran 53 tokens
+    # before the first draft (the shadow had to end before its 48 tokens taught anything).
+    passage = list(range(100, 180))
+    d = NgramDrafter()
+    d.reset([1, 2, *passage, 3, 4])
+    sp = Speculator(d, cost=VerifyCost(frozen=True))  # verify priced as llama-bench measured it
+    first = None
+    for i, t in enumerate(passage):
+        sp.push(t)
+        if sp.propose(48):
+            first = i + 1
+            break
+    assert first is not None and first <= 12, first
+    # and a 2-token match on its own is not trusted: a fresh policy declines it
+    assert DraftPolicy(cost=VerifyCost(frozen=True)).choose(2, 48) == 0
 
 
 def test_thread_controller_follows_the_load_and_the_measured_token_times():

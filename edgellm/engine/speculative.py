@@ -15,12 +15,12 @@ without a draft makes, one per output token.
 On a CPU verifying is not free: a batch of k+1 tokens costs more than one
 token (here pp2 is 1.7x, pp8 4.9x a single token's time on a 1.93B model),
 so a draft pays only when it is long and right. `DraftPolicy` learns, per
-sequence, how often drafts are accepted (per kind of draft: n-gram matches
-of 2-3, 4-7, 8-15, 16+ tokens, or a draft model), and `VerifyCost` this
+sequence, how often a drafted token is accepted (by the length of the match
+it extends: 2-3, 4-7, 8-15, 16+ tokens, or from a draft model), and `VerifyCost` this
 machine's cost of a step of n tokens against a single one (measured from
 the steps the loop makes; llama-bench's figures as the prior). Each step
-drafts the k that maximises expected tokens per unit of time, 1 + a + ... +
-a^k over cost(k+1) (+ k draft-model decodes), and none when no k beats a
+drafts the k that maximises expected tokens per unit of time, 1 + a1 + a1 a2
++ ... over cost(k+1) (+ k draft-model decodes), and none when no k beats a
 plain step. An n-gram draft costs nothing to make, so when the policy
 declines to verify one it still checks it against the tokens that follow
 (a shadow draft): the acceptance is learned while speculation is off, and
@@ -47,7 +47,12 @@ MATCH_BUCKETS = (2, 4, 8, 16)  # n-gram match lengths starting each bucket; a dr
 MODEL_BUCKET = len(MATCH_BUCKETS)
 # llama-bench pp-n vs tg on a 1.93B Q4_K_M, 2 threads (issue #26): step time of n tokens / one token's
 _PRIOR = ((1, 1.0), (2, 1.72), (4, 2.81), (8, 4.87), (16, 5.79))
-_DECAY = 0.85  # per resolved draft: about the last 7 drafts of a kind decide
+_DECAY = 0.85  # per resolved draft reaching a bucket: about the last 7 such drafts decide
+# Before any evidence, per bucket (matches of 2-3, 4-7, 8-15, 16+ tokens, a draft model): a longer
+# exact match is likelier to go on (llama-server's ngram-mod drafts only after 24 tokens), but too
+# weakly held to draft on before this reply's own shadow drafts say so
+_PRIOR_HITS = (1.0, 1.0, 2.0, 3.0, 1.0)
+_PRIOR_MISSES = (2.0, 1.0, 1.0, 1.0, 1.0)
 _MARGIN = 1.03  # a draft must promise this much over a plain step
 
 
@@ -94,12 +99,20 @@ class VerifyCost:
 
 @dataclass
 class DraftPolicy:
-    """Acceptance per kind of draft (decayed counts) and the draft length that pays."""
+    """Acceptance per length of the match a drafted token extends (decayed counts), and the draft length that pays.
+
+    A token drafted j places into a draft from an m-token match is right about
+    as often as a match of m + j tokens predicts its next token: a copy that
+    has run for 20 tokens is likely to go on whatever match started it. So the
+    counts are kept per match length at each drafted position, not per draft,
+    and the tokens of a long draft teach the long-match buckets, which is
+    what lets a copy turn speculation on while it is still being copied.
+    """
 
     cost: VerifyCost = field(default_factory=VerifyCost)
     draft_cost: float = 0.0  # a drafted token's cost in target single-token steps (a draft model's decode)
-    hits: list[float] = field(default_factory=lambda: [1.0] * (MODEL_BUCKET + 1))
-    misses: list[float] = field(default_factory=lambda: [1.0] * (MODEL_BUCKET + 1))
+    hits: list[float] = field(default_factory=lambda: list(_PRIOR_HITS))
+    misses: list[float] = field(default_factory=lambda: list(_PRIOR_MISSES))
 
     @staticmethod
     def bucket(match_len: int) -> int:
@@ -114,20 +127,42 @@ class DraftPolicy:
     def acceptance(self, bucket: int) -> float:
         return self.hits[bucket] / (self.hits[bucket] + self.misses[bucket])
 
-    def record(self, bucket: int, accepted: int, rejected: bool) -> None:
-        self.hits[bucket] = self.hits[bucket] * _DECAY + accepted
-        self.misses[bucket] = self.misses[bucket] * _DECAY + (1 if rejected else 0)
+    def position_bucket(self, match_len: int, j: int) -> int:
+        """The bucket of the j-th drafted token (0-based) of a draft from a `match_len` match (-1: a draft model)."""
+        return MODEL_BUCKET if match_len < 0 else self.bucket(match_len + j)
 
-    def gain(self, bucket: int, k: int) -> float:
+    def hit(self, match_len: int, j: int) -> None:
+        self.hits[self.position_bucket(match_len, j)] += 1
+
+    def record(self, match_len: int, accepted: int, rejected: bool) -> None:
+        """A draft resolved: its first `accepted` tokens were right, and the next one wrong if `rejected`."""
+        for j in range(accepted):
+            self.hit(match_len, j)
+        self.resolve(match_len, accepted if rejected else max(accepted - 1, 0), rejected)
+
+    def resolve(self, match_len: int, at: int, rejected: bool) -> None:
+        """End of a draft's evidence: a miss at position `at` if `rejected`; the buckets it reached age one draft."""
+        if rejected:
+            self.misses[self.position_bucket(match_len, at)] += 1
+        for b in {self.position_bucket(match_len, j) for j in range(at + 1)}:
+            self.hits[b] *= _DECAY
+            self.misses[b] *= _DECAY
+
+    def gain(self, match_len: int, k: int) -> float:
         """Expected tokens per unit of time of a step verifying k drafted tokens, a plain step being 1."""
-        a = min(self.acceptance(bucket), 0.999)
-        expected = (1 - a ** (k + 1)) / (1 - a)
+        expected, p = 1.0, 1.0
+        for j in range(k):
+            p *= min(self.acceptance(self.position_bucket(match_len, j)), 0.999)
+            expected += p
         return expected / (self.cost.ratio(k + 1) + k * self.draft_cost)
 
-    def choose(self, bucket: int, available: int) -> int:
+    def choose(self, match_len: int, available: int) -> int:
         best_k, best = 0, _MARGIN
+        expected, p = 1.0, 1.0
         for k in range(1, available + 1):
-            g = self.gain(bucket, k)
+            p *= min(self.acceptance(self.position_bucket(match_len, k - 1)), 0.999)
+            expected += p
+            g = expected / (self.cost.ratio(k + 1) + k * self.draft_cost)
             if g > best:
                 best_k, best = k, g
         return best_k
@@ -169,11 +204,11 @@ class Speculator:
         self.draft_max = max(0, int(draft_max))
         self.policy = DraftPolicy(cost=cost or VerifyCost())
         if prior is not None:  # what earlier sequences on this model learned, at half weight: this one soon decides
-            self.policy.hits = [1.0 + 0.5 * h for h in prior[0]]
-            self.policy.misses = [1.0 + 0.5 * m for m in prior[1]]
+            self.policy.hits = [h0 + 0.5 * h for h0, h in zip(_PRIOR_HITS, prior[0], strict=True)]
+            self.policy.misses = [m0 + 0.5 * m for m0, m in zip(_PRIOR_MISSES, prior[1], strict=True)]
         self.counters = DraftCounters()
-        self.shadow: Optional[list[Any]] = None  # [draft, matched so far, bucket]
-        self.bucket = 0
+        self.shadow: Optional[list[Any]] = None  # [draft, matched so far, match length it was drafted from]
+        self.match = 0  # the match length the draft being verified came from (-1: a draft model)
         self.probe_every = probe_every
         self._plain_steps = 0
 
@@ -182,18 +217,18 @@ class Speculator:
         self.drafter.push(token)
         sh = self.shadow
         if sh is not None:
-            d, i, b = sh
+            d, i, m = sh
             if token == d[i]:
                 # counted as it happens, so that a long right draft turns speculation on before it ends
-                self.policy.hits[b] += 1
+                self.policy.hit(m, i)
                 i += 1
                 if i == len(d):
-                    self.policy.record(b, 0, False)
+                    self.policy.resolve(m, i - 1, False)
                     self.shadow = None
                 else:
                     sh[1] = i
             else:
-                self.policy.record(b, 0, True)
+                self.policy.resolve(m, i, True)
                 self.shadow = None
 
     def propose(self, room: int) -> list[int]:
@@ -205,16 +240,15 @@ class Speculator:
             d, m = self.drafter.draft(kmax)
             if not d:
                 return []
-            b = self.policy.bucket(m)
-            k = self.policy.choose(b, len(d))
+            k = self.policy.choose(m, len(d))
             if k == 0:
                 if self.shadow is None:
-                    self.shadow = [d, 0, b]
+                    self.shadow = [d, 0, m]
                 return []
             self.shadow = None  # the verify measures it; a shadow would count the same tokens twice
-            self.bucket = b
+            self.match = m
             return d[:k]
-        k = self.policy.choose(MODEL_BUCKET, kmax)
+        k = self.policy.choose(-1, kmax)
         if k == 0:
             self._plain_steps += 1
             if self._plain_steps < self.probe_every:
@@ -226,12 +260,12 @@ class Speculator:
         if d and self.policy.cost.t1:
             per = (time.perf_counter() - t) / len(d) / self.policy.cost.t1
             self.policy.draft_cost += 0.3 * (per - self.policy.draft_cost) if self.policy.draft_cost else per
-        self.bucket = MODEL_BUCKET
+        self.match = -1
         return d
 
     def verified(self, drafted: int, accepted: int, rejected: bool, seconds: float) -> None:
         self.counters.add(drafted, accepted)
-        self.policy.record(self.bucket, accepted, rejected)
+        self.policy.record(self.match, accepted, rejected)
         self.policy.cost.observe(drafted + 1, seconds)
 
     def plain(self, seconds: float) -> None:
