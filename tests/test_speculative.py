@@ -368,6 +368,7 @@ def test_batched_sequences_speculate_inside_the_batch_losslessly(default_gguf):
 def test_serve_draft_default_per_request_field_and_llamacpp_counters(tmp_path, default_gguf):
     import json
     import os
+    import urllib.error
     import urllib.request
 
     from support.helpers import DEFAULT_NAME, register_default
@@ -419,5 +420,15 @@ def test_serve_draft_default_per_request_field_and_llamacpp_counters(tmp_path, d
         # the reply's own counters are the server's: a reply that ends inside a verify step counts that step too
         assert (timings[0]["draft_n"], timings[0]["draft_n_accepted"]) == (drafted, accepted)
         assert sum(v for k, v in vals.items() if "per_pos" in k) == accepted  # per position adds up, as llama-server's does
+        # a draft length past the verify step llama.cpp sums as it sums one token: a 400 naming the limit
+        req = urllib.request.Request(
+            url + "/v1/chat/completions",
+            json.dumps({"model": DEFAULT_NAME, "messages": [{"role": "user", "content": "hi"}], "draft_max": 100}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            urllib.request.urlopen(req, timeout=30)
+        err = json.load(bad.value)["error"]
+        assert bad.value.code == 400 and err["param"] == "draft_max" and "between 0 and 62" in err["message"], err
     finally:
         stop_process(proc, timeout=20)

@@ -195,6 +195,10 @@ def test_a_bad_draft_length_is_refused_in_one_line_and_nothing_is_sent(default_m
     neg = cli("chat", DEFAULT_NAME, "-p", "hi", "--draft", "ngram", "--draft-max", "-3", "--no-history")
     assert neg.exit_code != 0 and neg.stderr.startswith("error: --draft-max") and neg.stderr.count("\n") == 1, neg.stderr
     neg_line = neg.stderr.strip().removeprefix("error: ")
+    # past the limit a verify step takes another attention path in llama.cpp and the reply would change: refused
+    big = cli("chat", DEFAULT_NAME, "-p", "hi", "--draft", "ngram", "--draft-max", "63", "--no-history")
+    assert big.exit_code != 0 and big.stderr.startswith("error: --draft-max must be at most 62, not 63"), big.stderr
+    assert big.stderr.count("\n") == 1, big.stderr
 
     async def run():
         app = make(initial="chat")

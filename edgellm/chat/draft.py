@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from edgellm.engine.runtime import Runtime
-from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, DraftMismatch
+from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, DRAFT_MAX_LIMIT, DraftMismatch
 from edgellm.errors import UsageError
 from edgellm.models.resolve import resolve
 from edgellm.models.store import Store
@@ -55,6 +55,11 @@ def check_draft_max(n: int) -> int:
     """`--draft-max N`: 0 is the default length; a negative one would silently never draft."""
     if n < 0:
         raise UsageError(f"--draft-max must be 0 (the default, {DEFAULT_DRAFT_MAX}) or more, not {n}")
+    if n > DRAFT_MAX_LIMIT:
+        raise UsageError(
+            f"--draft-max must be at most {DRAFT_MAX_LIMIT}, not {n}: a longer verify step takes another "
+            "attention path in llama.cpp, and the reply would no longer be the one decoding without drafts gives"
+        )
     return n
 
 

@@ -44,17 +44,15 @@ import llama_cpp
 from edgellm.engine.decode import Batch, Sampler, TextStream, common_prefix
 from edgellm.engine.ngram import NgramDrafter
 from edgellm.engine.runtime import GenerationStats, SamplingParams
-from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, DraftCounters, Speculator, VerifyCost
+from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, FA_TILE, DraftCounters, Speculator, VerifyCost
 
 # Waiting for another prompt pays when it saves at least this many tokens of prefill:
 # below it, the wait (a chunk of the leader's prompt) costs about what it saves.
 GROUP_MIN = 64
-# ggml's CPU flash attention takes a tiled path for this many query rows of one sequence in a
-# ubatch or more (GGML_FA_TILE_Q) and sums fewer row by row, which rounds differently. A fresh
-# prompt of at least FA_TILE tokens is computed in chunks of at least FA_TILE, so every cell of
-# it is tiled; a shorter one row by row, as replies are. Reused prompt cells must have been
-# computed the way a fresh prompt's would be, or the reply depends on what the cache held (`_reuse`).
-FA_TILE = 64
+# A fresh prompt of at least FA_TILE tokens (ggml's tiled attention, engine.speculative) is
+# computed in chunks of at least FA_TILE, so every cell of it is tiled; a shorter one row by row,
+# as replies are. Reused prompt cells must have been computed the way a fresh prompt's would be,
+# or the reply depends on what the cache held (`_reuse`).
 
 
 @dataclass

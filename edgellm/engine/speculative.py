@@ -43,6 +43,12 @@ log = logging.getLogger(__name__)
 
 DRAFT_MODES = ("off", "ngram", "model")
 DEFAULT_DRAFT_MAX = 48
+# ggml's CPU flash attention takes a tiled path for this many query rows of one sequence in a
+# ubatch or more (GGML_FA_TILE_Q) and sums fewer row by row, which rounds differently from a lone
+# token. A verify step is the last sampled token and k drafted ones, so k stays below this limit
+# or the reply would not be the one decoding without drafts gives.
+FA_TILE = 64
+DRAFT_MAX_LIMIT = FA_TILE - 2
 MATCH_BUCKETS = (2, 4, 8, 16)  # n-gram match lengths starting each bucket; a draft model's drafts are bucket 4
 MODEL_BUCKET = len(MATCH_BUCKETS)
 # llama-bench pp-n vs tg on a 1.93B Q4_K_M, 2 threads (issue #26): step time of n tokens / one token's
@@ -201,7 +207,7 @@ class Speculator:
     ) -> None:
         self.drafter = drafter
         self.free = isinstance(drafter, NgramDrafter)  # drafting costs nothing: shadow drafts while off
-        self.draft_max = max(0, int(draft_max))
+        self.draft_max = max(0, min(int(draft_max), DRAFT_MAX_LIMIT))
         self.policy = DraftPolicy(cost=cost or VerifyCost())
         if prior is not None:  # what earlier sequences on this model learned, at half weight: this one soon decides
             self.policy.hits = [h0 + 0.5 * h for h0, h in zip(_PRIOR_HITS, prior[0], strict=True)]
@@ -211,6 +217,7 @@ class Speculator:
         self.match = 0  # the match length the draft being verified came from (-1: a draft model)
         self.probe_every = probe_every
         self._plain_steps = 0
+        self._draft_seconds = 0.0  # what making this step's draft took: not the verify's cost
 
     def push(self, token: int) -> None:
         """A token the sequence now holds (sampled, or accepted from a draft)."""
@@ -257,8 +264,11 @@ class Speculator:
         self._plain_steps = 0
         t = time.perf_counter()
         d, _ = self.drafter.draft(k)
+        self._draft_seconds = time.perf_counter() - t
         if d and self.policy.cost.t1:
-            per = (time.perf_counter() - t) / len(d) / self.policy.cost.t1
+            # only the drafting decodes: the catch-up on tokens made while not drafting is a one-off after
+            # plain steps, and counted per drafted token it priced a probe's tokens at 4x and kept drafts off
+            per = self.drafter.gen_seconds / len(d) / self.policy.cost.t1
             self.policy.draft_cost += 0.3 * (per - self.policy.draft_cost) if self.policy.draft_cost else per
         self.match = -1
         return d
@@ -266,7 +276,9 @@ class Speculator:
     def verified(self, drafted: int, accepted: int, rejected: bool, seconds: float) -> None:
         self.counters.add(drafted, accepted)
         self.policy.record(self.match, accepted, rejected)
-        self.policy.cost.observe(drafted + 1, seconds)
+        # the step's seconds began before the draft was made; a draft model's part is in draft_cost already
+        self.policy.cost.observe(drafted + 1, max(seconds - self._draft_seconds, 1e-6))
+        self._draft_seconds = 0.0
 
     def plain(self, seconds: float) -> None:
         self.policy.cost.observe(1, seconds)
@@ -283,6 +295,7 @@ class ModelDrafter:
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.greedy = llama_cpp.llama_sampler_init_greedy()
         self.toks: list[int] = []
+        self.gen_seconds = 0.0  # the last draft's own decodes, without catching up on the target's tokens
 
     def reset(self, tokens: Sequence[int], memory: Any = ()) -> None:
         self.toks = list(tokens)
@@ -304,6 +317,7 @@ class ModelDrafter:
         del kv[keep:]
         decode_prompt(self.ctx, self.batch, toks[keep:], keep)
         kv.extend(toks[keep:])
+        t_gen = time.perf_counter()
         out: list[int] = []
         b = self.batch
         for j in range(k):
@@ -318,6 +332,7 @@ class ModelDrafter:
             if b.decode(self.ctx) != 0:
                 break
             kv.append(t)
+        self.gen_seconds = time.perf_counter() - t_gen
         return out, -1
 
     def close(self) -> None:
@@ -371,5 +386,7 @@ __all__ = [
     "DraftMismatch",
     "DRAFT_MODES",
     "DEFAULT_DRAFT_MAX",
+    "DRAFT_MAX_LIMIT",
+    "FA_TILE",
     "prior_ratio",
 ]

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from edgellm.chat import structured
 from edgellm.engine.runtime import SamplingParams
+from edgellm.engine.speculative import DRAFT_MAX_LIMIT
 from edgellm.errors import EdgeLLMError, UsageError
 from edgellm.models.store import Store
 from edgellm.serve import tools
@@ -158,7 +159,9 @@ def _sampling(body: dict) -> tuple[SamplingParams, Optional[int]]:
         raise _bad("'draft' must be 'ngram' or 'off'", "draft", "invalid_value")
     sp.draft = draft
     sp.draft_max = (
-        _number(body, "draft_max", 0, 256, integer=True) or _number(body, "speculative.n_max", 0, 256, integer=True) or 0
+        _number(body, "draft_max", 0, DRAFT_MAX_LIMIT, integer=True)
+        or _number(body, "speculative.n_max", 0, DRAFT_MAX_LIMIT, integer=True)
+        or 0
     )
     return sp, max_tokens
 
