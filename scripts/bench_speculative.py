@@ -227,7 +227,9 @@ class Server:
         if spec:
             cmd += ["--spec-type", spec]
         if draft is not None:
-            cmd += ["-md", str(draft)]
+            # -md alone only loads the model: this llama.cpp infers a draft type from the GGUF (MTP heads,
+            # DFlash) and speculates with none for a plain model; draft-simple is its classic draft model
+            cmd += ["--spec-type", "draft-simple", "-md", str(draft)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
         while time.time() < deadline:
