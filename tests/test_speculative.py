@@ -134,6 +134,44 @@ def test_a_copy_of_the_prompt_turns_drafting_on_while_it_is_being_copied():
     assert DraftPolicy(cost=VerifyCost(frozen=True)).choose(2, 48) == 0
 
 
+def test_verify_cost_keeps_a_sizes_cheapest_first_steps_and_is_optimistic_between_measured_sizes():
+    c = VerifyCost()
+    c.observe(1, 0.100)
+    for sec in (0.914, 0.472, 0.480):  # a size's first step pays one-off costs (a 1.93B Q8_0, measured)
+        c.observe(5, sec)
+    assert c.tn[5] == 0.472  # kept in a running mean, 0.914 priced 5-token steps out for good
+    c.observe(3, 0.200)
+    # 4 tokens lie between two measured sizes: priced as the smaller, the least it can cost; once tried, measured
+    assert c.ratio(4) == pytest.approx(2.0) and c.ratio(3) == pytest.approx(2.0) and c.ratio(5) == pytest.approx(4.72)
+    c.observe(4, 0.205)
+    assert c.ratio(4) == pytest.approx(2.05)
+
+
+def test_a_draft_model_is_tried_early_and_priced_by_its_own_decodes():
+    class SlowCatchUp:
+        """A draft model's interface; each draft first catches up on the target's tokens (slow), then
+        decodes its own: one of those is what a drafted token costs."""
+
+        decode_seconds = 0.0
+
+        def push(self, token):
+            pass
+
+        def draft(self, k):
+            time.sleep(0.05)
+            self.decode_seconds = 0.01
+            return [7] * k, -1
+
+    sp = Speculator(SlowCatchUp(), cost=VerifyCost())
+    assert sp.propose(48) == []  # the first step is plain: it prices a step
+    sp.plain(0.100)
+    d = sp.propose(48)
+    assert len(d) == 4  # then a probe, not after probe_every plain steps
+    assert sp.policy.draft_cost == pytest.approx(0.1)  # one draft decode / one target step, not the catch-up
+    sp.verified(4, 4, False, 0.05 + 0.25)  # the step's seconds include making the draft
+    assert sp.policy.cost.tn[5] == pytest.approx(0.25, abs=0.01)
+
+
 def test_thread_controller_follows_the_load_and_the_measured_token_times():
     c = ThreadController(2)
     assert c.threads == 2

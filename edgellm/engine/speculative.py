@@ -82,6 +82,7 @@ class VerifyCost:
 
     t1: Optional[float] = None
     tn: dict[int, float] = field(default_factory=dict)
+    seen: dict[int, int] = field(default_factory=dict)
     alpha: float = 0.2
     frozen: bool = False  # keep the figures given (tests, or a machine measured once) instead of learning
 
@@ -92,13 +93,30 @@ class VerifyCost:
             self.t1 = seconds if self.t1 is None else self.t1 + self.alpha * (seconds - self.t1)
         else:
             old = self.tn.get(n)
-            self.tn[n] = seconds if old is None else old + self.alpha * (seconds - old)
+            seen = self.seen[n] = self.seen.get(n, 0) + 1
+            if old is None:
+                self.tn[n] = seconds
+            elif seen <= 3:
+                # the first steps of a size pay one-off costs (measured: a 1.93B Q8_0's first 5-token verify
+                # 914 ms, later ones 472): kept in a running mean they priced that size out, and a size the
+                # policy avoids is never measured again
+                self.tn[n] = min(old, seconds)
+            else:
+                self.tn[n] = old + self.alpha * (seconds - old)
 
     def ratio(self, n: int) -> float:
         p = prior_ratio(n)
         if n <= 1 or self.t1 is None or not self.tn:
             return p
-        # scale the prior by what was measured at the nearest size
+        if n in self.tn:
+            return max(1.0, self.tn[n] / self.t1)
+        below = [m for m in self.tn if m < n]
+        if below and any(m > n for m in self.tn):
+            # between two measured sizes: the smaller one's cost, the least a step of n can cost. Optimistic
+            # on purpose: a size tried once is measured, and kernels make the curve uneven (Q8_0 verifies 4
+            # rows for what 3 cost), so a neighbours' interpolation kept the policy off the cheap sizes
+            return max(1.0, self.tn[max(below)] / self.t1)
+        # outside what was measured: the prior's shape, scaled by the nearest measured size
         m = min(self.tn, key=lambda x: abs(x - n))
         return max(1.0, p * (self.tn[m] / self.t1) / prior_ratio(m))
 
@@ -216,7 +234,9 @@ class Speculator:
         self.shadow: Optional[list[Any]] = None  # [draft, matched so far, match length it was drafted from]
         self.match = 0  # the match length the draft being verified came from (-1: a draft model)
         self.probe_every = probe_every
-        self._plain_steps = 0
+        # a draft model asked for is tried after one plain step (it prices a step, which prices a drafted
+        # token), not after probe_every of them; then as often as its acceptance says
+        self._plain_steps = probe_every - 2
         self._draft_seconds = 0.0  # what making this step's draft took: not the verify's cost
 
     def push(self, token: int) -> None:
@@ -265,11 +285,11 @@ class Speculator:
         t = time.perf_counter()
         d, _ = self.drafter.draft(k)
         self._draft_seconds = time.perf_counter() - t
-        if d and self.policy.cost.t1:
-            # only the drafting decodes: the catch-up on tokens made while not drafting is a one-off after
-            # plain steps, and counted per drafted token it priced a probe's tokens at 4x and kept drafts off
-            per = self.drafter.gen_seconds / len(d) / self.policy.cost.t1
-            self.policy.draft_cost += 0.3 * (per - self.policy.draft_cost) if self.policy.draft_cost else per
+        if self.drafter.decode_seconds and self.policy.cost.t1:
+            # a drafted token costs one draft decode (the catch-up on the last accepted ones, or the next
+            # token's); a probe's catch-up on every token made while not drafting is a one-off after plain
+            # steps: billed per drafted token it priced them at 4x and kept the draft model switched off
+            self.policy.draft_cost = self.drafter.decode_seconds / self.policy.cost.t1
         self.match = -1
         return d
 
@@ -295,7 +315,7 @@ class ModelDrafter:
         self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.greedy = llama_cpp.llama_sampler_init_greedy()
         self.toks: list[int] = []
-        self.gen_seconds = 0.0  # the last draft's own decodes, without catching up on the target's tokens
+        self.decode_seconds = 0.0  # one decode of the draft model (running mean): what each drafted token costs
 
     def reset(self, tokens: Sequence[int], memory: Any = ()) -> None:
         self.toks = list(tokens)
@@ -315,9 +335,11 @@ class ModelDrafter:
         keep = min(common_prefix(kv, toks), len(toks) - 1)
         llama_cpp.llama_memory_seq_rm(self.mem, 0, keep, -1)
         del kv[keep:]
+        t = time.perf_counter()
         decode_prompt(self.ctx, self.batch, toks[keep:], keep)
+        if len(toks) - keep <= 2:  # drafting every step, the catch-up is the one decode each drafted token costs
+            self._timed(time.perf_counter() - t)
         kv.extend(toks[keep:])
-        t_gen = time.perf_counter()
         out: list[int] = []
         b = self.batch
         for j in range(k):
@@ -329,11 +351,16 @@ class ModelDrafter:
                 break
             b.clear()
             b.add(t, len(kv), 0, True)
+            t0 = time.perf_counter()
             if b.decode(self.ctx) != 0:
                 break
+            self._timed(time.perf_counter() - t0)
             kv.append(t)
-        self.gen_seconds = time.perf_counter() - t_gen
         return out, -1
+
+    def _timed(self, seconds: float) -> None:
+        d = self.decode_seconds
+        self.decode_seconds = seconds if d == 0.0 else d + 0.3 * (seconds - d)
 
     def close(self) -> None:
         import llama_cpp
