@@ -134,15 +134,15 @@ def test_a_copy_of_the_prompt_turns_drafting_on_while_it_is_being_copied():
     assert DraftPolicy(cost=VerifyCost(frozen=True)).choose(2, 48) == 0
 
 
-def test_verify_cost_keeps_a_sizes_cheapest_first_steps_and_is_optimistic_between_measured_sizes():
+def test_verify_cost_keeps_a_sizes_cheapest_first_steps_and_interpolates_between_measured_sizes():
     c = VerifyCost()
     c.observe(1, 0.100)
     for sec in (0.914, 0.472, 0.480):  # a size's first step pays one-off costs (a 1.93B Q8_0, measured)
         c.observe(5, sec)
     assert c.tn[5] == 0.472  # kept in a running mean, 0.914 priced 5-token steps out for good
     c.observe(3, 0.200)
-    # 4 tokens lie between two measured sizes: priced as the smaller, the least it can cost; once tried, measured
-    assert c.ratio(4) == pytest.approx(2.0) and c.ratio(3) == pytest.approx(2.0) and c.ratio(5) == pytest.approx(4.72)
+    # 4 tokens lie between two measured sizes: the line between them; once tried, measured
+    assert c.ratio(4) == pytest.approx(3.36) and c.ratio(3) == pytest.approx(2.0) and c.ratio(5) == pytest.approx(4.72)
     c.observe(4, 0.205)
     assert c.ratio(4) == pytest.approx(2.05)
 
