@@ -172,15 +172,9 @@ class DraftPolicy:
             self.hits[b] *= _DECAY
             self.misses[b] *= _DECAY
 
-    def gain(self, match_len: int, k: int) -> float:
-        """Expected tokens per unit of time of a step verifying k drafted tokens, a plain step being 1."""
-        expected, p = 1.0, 1.0
-        for j in range(k):
-            p *= min(self.acceptance(self.position_bucket(match_len, j)), 0.999)
-            expected += p
-        return expected / (self.cost.ratio(k + 1) + k * self.draft_cost)
-
     def choose(self, match_len: int, available: int) -> int:
+        """The k of at most `available` with the most expected tokens per unit of time, a plain step being 1
+        (0: none beats a plain step by _MARGIN)."""
         best_k, best = 0, _MARGIN
         expected, p = 1.0, 1.0
         for k in range(1, available + 1):
