@@ -54,11 +54,10 @@ MODEL_BUCKET = len(MATCH_BUCKETS)
 # llama-bench pp-n vs tg on a 1.93B Q4_K_M, 2 threads (issue #26): step time of n tokens / one token's
 _PRIOR = ((1, 1.0), (2, 1.72), (4, 2.81), (8, 4.87), (16, 5.79))
 _DECAY = 0.85  # per resolved draft reaching a bucket: about the last 7 such drafts decide
-# Before any evidence, per bucket (matches of 2-3, 4-7, 8-15, 16+ tokens, a draft model): one in two.
-# Trusting longer matches more (2/3, 3/4) drafted 52 tokens for 25 on an open-ended story (135M),
-# 17 for 7 without; a copy turns drafting on as early either way (its shadow teaches the buckets)
-_PRIOR_HITS = (1.0, 1.0, 1.0, 1.0, 1.0)
-_PRIOR_MISSES = (1.0, 1.0, 1.0, 1.0, 1.0)
+# Before any evidence, every bucket holds one hit and one miss: one in two. Trusting longer matches
+# more (2/3, 3/4) drafted 52 tokens for 25 on an open-ended story (135M), 17 for 7 without; a copy
+# turns drafting on as early either way (its shadow teaches the buckets)
+_PSEUDO = 1.0
 _MARGIN = 1.03  # a draft must promise this much over a plain step
 
 
@@ -135,8 +134,8 @@ class DraftPolicy:
 
     cost: VerifyCost = field(default_factory=VerifyCost)
     draft_cost: float = 0.0  # a drafted token's cost in target single-token steps (a draft model's decode)
-    hits: list[float] = field(default_factory=lambda: list(_PRIOR_HITS))
-    misses: list[float] = field(default_factory=lambda: list(_PRIOR_MISSES))
+    hits: list[float] = field(default_factory=lambda: [_PSEUDO] * (MODEL_BUCKET + 1))
+    misses: list[float] = field(default_factory=lambda: [_PSEUDO] * (MODEL_BUCKET + 1))
 
     @staticmethod
     def bucket(match_len: int) -> int:
@@ -222,8 +221,8 @@ class Speculator:
         self.draft_max = max(0, min(int(draft_max), DRAFT_MAX_LIMIT))
         self.policy = DraftPolicy(cost=cost or VerifyCost())
         if prior is not None:  # what earlier sequences on this model learned, at half weight: this one soon decides
-            self.policy.hits = [h0 + 0.5 * h for h0, h in zip(_PRIOR_HITS, prior[0], strict=True)]
-            self.policy.misses = [m0 + 0.5 * m for m0, m in zip(_PRIOR_MISSES, prior[1], strict=True)]
+            self.policy.hits = [_PSEUDO + 0.5 * h for h in prior[0]]
+            self.policy.misses = [_PSEUDO + 0.5 * m for m in prior[1]]
         self.counters = DraftCounters()
         self.shadow: Optional[list[Any]] = None  # [draft, matched so far, match length it was drafted from]
         self.match = 0  # the match length the draft being verified came from (-1: a draft model)
