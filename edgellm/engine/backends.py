@@ -256,18 +256,22 @@ def choose(model_path: Optional[Path] = None, *, refresh: bool = False, tester: 
     return result
 
 
-def keep_attention_batch_invariant() -> bool:
-    """Stop ggml from splitting a lone query row's KV cells across threads, for this process.
+def keep_batch_invariant(small_batch: int) -> bool:
+    """Make a row's logits independent of the batch it is decoded in, for batches under `small_batch` rows.
 
-    At 512+ cells and 2+ threads ggml sums a single decoded row's attention in per-thread
-    chunks and merges them, while a row in a small batch (a speculative verify batch, a
-    sequence decoded beside others) is summed in one pass: the same token gets other logits
-    depending on its batch, and temperature 0 changes with `--draft`. edgellm's builds carry
-    a switch for it (scripts/patches/ggml-cpu-fa-split-kv.patch), reached like llama.cpp's
-    other CPU switches, through the backend's proc address. False where the build lacks it.
+    Stock ggml rounds the same token differently alone and in a small batch (a speculative
+    verify batch, a row beside other sequences), so temperature 0 would change with `--draft`:
+    at 512+ cached cells and 2+ threads it sums a lone query row's attention in per-thread
+    chunks and merges them (scripts/patches/ggml-cpu-fa-split-kv.patch turns that off), and
+    from 8 rows it multiplies K-quant weights with a tiled kernel that sums in another order
+    than the one-row kernel (scripts/patches/ggml-cpu-matmul-batch-invariant.patch moves the
+    floor of that kernel to `small_batch` rows; the same patch makes the repacked Q4_K
+    one-row kernel sum as the 4-row one does). Both switches are reached like llama.cpp's
+    other CPU switches, through the backend's proc address, and hold for the process.
+    False where the build lacks either.
     """
-    if "split_kv" in _loaded:
-        return bool(_loaded["split_kv"])
+    if "invariant" in _loaded:
+        return bool(_loaded["invariant"])
     ok = False
     lib = lib_dir()
     if lib is not None and (lib / "libggml.so").exists():
@@ -277,13 +281,16 @@ def keep_attention_batch_invariant() -> bool:
         get = base.ggml_backend_reg_get_proc_address
         get.argtypes, get.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
         reg = ggml.ggml_backend_reg_by_name(b"CPU")
-        fn = get(reg, b"ggml_backend_cpu_set_fa_split_kv") if reg else None
-        if fn:
-            ctypes.CFUNCTYPE(None, ctypes.c_bool)(fn)(False)
-            ok = True
+        split = get(reg, b"ggml_backend_cpu_set_fa_split_kv") if reg else None
+        floor = get(reg, b"ggml_backend_cpu_set_tiled_mm_min_rows") if reg else None
+        if split:
+            ctypes.CFUNCTYPE(None, ctypes.c_bool)(split)(False)
+        if floor:
+            ctypes.CFUNCTYPE(None, ctypes.c_int64)(floor)(small_batch)
+        ok = bool(split and floor)
     if not ok:
-        log.debug("this llama.cpp build cannot keep attention batch-invariant (no edgellm patch)")
-    _loaded["split_kv"] = ok
+        log.debug("this llama.cpp build cannot keep small batches invariant (no edgellm patches)")
+    _loaded["invariant"] = ok
     return ok
 
 

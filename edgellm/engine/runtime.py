@@ -26,6 +26,7 @@ from edgellm.engine.memory import KV_BYTES_PER_ELEM as KV_BYTES_PER_ELEMENT  # o
 from edgellm.engine.memory import check_fits, default_threads, estimate, flash_attn_default, kv_bytes_per_token
 from edgellm.engine.native_io import capture_native_stderr, silence_native_stderr
 from edgellm.engine.options import KV_TYPES, GenerationStats, RuntimeOptions, SamplingParams, resolve_gpu_layers
+from edgellm.engine.speculative import FA_TILE
 from edgellm.errors import Cancelled, UsageError
 from edgellm.gguf.reader import read_gguf
 from edgellm.progress import CancelToken
@@ -83,7 +84,7 @@ class Runtime:
 
         # portable build: load its CPU variant (self-tested with this model the first time) before llama.cpp looks for one
         backends.ensure(self.path, tester=hardware.self_test)
-        backends.keep_attention_batch_invariant()  # replies must not depend on drafts or batch-mates
+        backends.keep_batch_invariant(FA_TILE)  # replies must not depend on drafts or batch-mates
 
         n_threads = opts.n_threads or default_threads()
         kw: dict[str, Any] = dict(

@@ -1,0 +1,146 @@
+"""A row's product with the weights does not depend on the rows beside it (issue #26, lossless drafts).
+
+At temperature 0 a reply with `--draft` is the reply without only if a token decoded
+alone and the same token in a verify batch (or beside other sequences) get the very
+same logits. Stock ggml breaks that twice on the K-quants users run (Q4_K_M is Q4_K
+and Q6_K): the tiled K-quant matmul takes batches of 8+ rows and sums in another order
+than the one-row kernel, and on CPUs that repack Q4_K the one-row kernel summed each
+super block in integers first while the 4-row one sums every pair of sub blocks in
+float. scripts/patches/ggml-cpu-matmul-batch-invariant.patch fixes the second and lets
+edgellm raise the first one's floor to FA_TILE rows. These tests drive the real
+libggml-cpu of this build through its C API: a graph of one MUL_MAT, and the exported
+repack kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from edgellm.engine import backends
+from edgellm.engine.speculative import FA_TILE
+
+GGML_TYPE_F32, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K = 0, 12, 14
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+@pytest.fixture(scope="module")
+def ggml() -> Iterator[tuple[ctypes.CDLL, ctypes.CDLL]]:
+    lib = backends.lib_dir()
+    assert lib is not None and (lib / "libggml-cpu.so").exists(), "the host-flags build is what the suite runs on"
+    base, cpu = backends._load_lib(lib, "libggml-base.so"), backends._load_lib(lib, "libggml-cpu.so")
+    vp = ctypes.c_void_p
+    base.ggml_init.restype, base.ggml_init.argtypes = vp, [_InitParams]
+    base.ggml_new_tensor_2d.restype = vp
+    base.ggml_new_tensor_2d.argtypes = [vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    base.ggml_mul_mat.restype, base.ggml_mul_mat.argtypes = vp, [vp, vp, vp]
+    base.ggml_new_graph.restype, base.ggml_new_graph.argtypes = vp, [vp]
+    base.ggml_build_forward_expand.argtypes = [vp, vp]
+    base.ggml_get_data.restype, base.ggml_get_data.argtypes = vp, [vp]
+    base.ggml_free.argtypes = [vp]
+    base.ggml_quantize_chunk.restype = ctypes.c_size_t
+    base.ggml_quantize_chunk.argtypes = [ctypes.c_int, vp, vp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, vp]
+    cpu.ggml_graph_compute_with_ctx.argtypes = [vp, vp, ctypes.c_int]
+    assert backends.keep_batch_invariant(FA_TILE), "this build lacks scripts/patches"
+    yield base, cpu
+
+
+def _set_floor(rows: int) -> None:
+    lib = backends.lib_dir()
+    assert lib is not None
+    ggml, base = backends._load_lib(lib, "libggml.so"), backends._load_lib(lib, "libggml-base.so")
+    ggml.ggml_backend_reg_by_name.argtypes, ggml.ggml_backend_reg_by_name.restype = [ctypes.c_char_p], ctypes.c_void_p
+    get = base.ggml_backend_reg_get_proc_address
+    get.argtypes, get.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
+    fn = get(ggml.ggml_backend_reg_by_name(b"CPU"), b"ggml_backend_cpu_set_tiled_mm_min_rows")
+    ctypes.CFUNCTYPE(None, ctypes.c_int64)(fn)(rows)
+
+
+def _matmul(ggml, typ: int, weights: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """weights (M, K) quantized to `typ` by ggml, times the rows of x (n, K), on 2 threads: (n, M)."""
+    base, cpu = ggml
+    m, k = weights.shape
+    n = x.shape[0]
+    ctx = base.ggml_init(_InitParams(1 << 27, None, False))
+    try:
+        w = base.ggml_new_tensor_2d(ctx, typ, k, m)
+        base.ggml_quantize_chunk(typ, weights.ctypes.data, base.ggml_get_data(w), 0, m, k, None)
+        t = base.ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n)
+        ctypes.memmove(base.ggml_get_data(t), np.ascontiguousarray(x, dtype=np.float32).ctypes.data, 4 * k * n)
+        y = base.ggml_mul_mat(ctx, w, t)
+        graph = base.ggml_new_graph(ctx)
+        base.ggml_build_forward_expand(graph, y)
+        cpu.ggml_graph_compute_with_ctx(ctx, graph, 2)
+        return np.ctypeslib.as_array((ctypes.c_float * (m * n)).from_address(base.ggml_get_data(y))).reshape(n, m).copy()
+    finally:
+        base.ggml_free(ctx)
+
+
+@pytest.mark.parametrize("typ", [GGML_TYPE_Q6_K, GGML_TYPE_Q4_K], ids=["q6_K", "q4_K"])
+def test_a_k_quant_row_in_a_verify_batch_multiplies_as_it_does_alone(ggml, typ):
+    # the shapes of the 1.93B widened model's attn_v and ffn_down (issue #24)
+    rng = np.random.default_rng(7)
+    for m, k in ((768, 2304), (2304, 6144)):
+        weights = rng.normal(0, 0.02, (m, k)).astype(np.float32)
+        x = rng.normal(0, 1, (FA_TILE - 1, k)).astype(np.float32)
+        alone = _matmul(ggml, typ, weights, x[:1])[0]
+        for n in (2, 4, 8, 16, FA_TILE - 1):
+            row = _matmul(ggml, typ, weights, x[:n])[0]
+            assert np.array_equal(alone, row), (m, k, n, float(np.abs(alone - row).max()))
+
+
+def test_the_stock_floor_of_8_rows_is_what_broke_it(ggml):
+    # the same product with ggml's own floor back: 8 rows take the tiled kernel and row 0 moves
+    rng = np.random.default_rng(7)
+    weights = rng.normal(0, 0.02, (768, 2304)).astype(np.float32)
+    x = rng.normal(0, 1, (8, 2304)).astype(np.float32)
+    alone = _matmul(ggml, GGML_TYPE_Q6_K, weights, x[:1])[0]
+    try:
+        _set_floor(8)
+        row = _matmul(ggml, GGML_TYPE_Q6_K, weights, x)[0]
+    finally:
+        _set_floor(FA_TILE)
+    assert not np.array_equal(alone, row)
+    assert np.allclose(alone, row, rtol=1e-4, atol=1e-4)  # the same product, rounded otherwise
+
+
+def _q4_k_x8(rng: np.random.Generator, n_blocks: int, n_groups: int) -> bytes:
+    # block_q4_Kx8, the repacked layout: 8 d (f16), 8 dmin (f16), 96 bytes of scales, 1024 of quants
+    out = bytearray()
+    for _ in range(n_groups * n_blocks):
+        out += np.abs(rng.normal(0, 0.01, 16)).astype(np.float16).tobytes()
+        out += rng.integers(0, 256, 96 + 1024, dtype=np.uint8).tobytes()
+    return bytes(out)
+
+
+def test_the_repacked_q4_k_one_row_kernel_sums_as_the_four_row_one(ggml):
+    # the kernels llama.cpp runs for Q4_K weights it repacked (x86 with AVX2, this CPU): a verify
+    # batch of 4+ rows takes the gemm, a lone token the gemv
+    _base, cpu = ggml
+    vp = ctypes.c_void_p
+    for name in ("ggml_gemv_q4_K_8x8_q8_K", "ggml_gemm_q4_K_8x8_q8_K"):
+        getattr(cpu, name).argtypes = [ctypes.c_int, vp, ctypes.c_size_t, vp, vp, ctypes.c_int, ctypes.c_int]
+    cpu.quantize_row_q8_K.argtypes = [vp, vp, ctypes.c_int64]
+    cpu.ggml_quantize_mat_q8_K_4x8.argtypes = [vp, vp, ctypes.c_int64]
+    rng = np.random.default_rng(3)
+    n_blocks, cols, rows = 9, 64, 8  # 2304 inputs, as the 1.93B model's hidden size
+    k = 256 * n_blocks
+    weights = ctypes.create_string_buffer(_q4_k_x8(rng, n_blocks, cols // 8))
+    x = rng.normal(0, 1, (rows, k)).astype(np.float32)
+    packed = ctypes.create_string_buffer(1168 * n_blocks * rows // 4)  # block_q8_Kx4 per 4 rows
+    for g in range(rows // 4):
+        cpu.ggml_quantize_mat_q8_K_4x8(x[4 * g :].ctypes.data, ctypes.byref(packed, 1168 * n_blocks * g), k)
+    batch = np.zeros((rows, cols), np.float32)
+    cpu.ggml_gemm_q4_K_8x8_q8_K(k, batch.ctypes.data, cols, weights, packed, rows, cols)
+    for r in range(rows):
+        q = ctypes.create_string_buffer(292 * n_blocks)  # block_q8_K
+        cpu.quantize_row_q8_K(x[r].ctypes.data, q, k)
+        alone = np.zeros(cols, np.float32)
+        cpu.ggml_gemv_q4_K_8x8_q8_K(k, alone.ctypes.data, cols, weights, q, 1, cols)
+        assert np.array_equal(alone, batch[r]), (r, float(np.abs(alone - batch[r]).max()))
