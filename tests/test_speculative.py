@@ -29,7 +29,7 @@ import pytest
 from edgellm.engine import backends
 from edgellm.engine.ngram import NgramDrafter
 from edgellm.engine.runtime import GenerationStats, Runtime, RuntimeOptions, SamplingParams
-from edgellm.engine.speculative import DraftMismatch, DraftPolicy, Speculator, VerifyCost
+from edgellm.engine.speculative import FA_TILE, DraftMismatch, DraftPolicy, Speculator, VerifyCost
 from edgellm.engine.threads import ThreadController
 from support.stats import chi_square_p
 
@@ -230,7 +230,7 @@ def test_a_lone_token_and_the_same_token_in_a_verify_batch_get_the_same_logits(d
     # rows differ in their last bits on any CPU; this is what makes drafts lossless on long prompts
     r = Runtime(default_gguf, RuntimeOptions(n_ctx=1024, n_threads=2, flash_attn=True, logits_all=True))
     try:
-        assert backends.keep_attention_batch_invariant()
+        assert backends.keep_batch_invariant(FA_TILE)
         prompt = r.tokenize("Rewrite this code.\n\n" + CODE * 8)[:600]
         assert len(prompt) == 600
         t, u = r.tokenize(" subtotal tax", add_bos=False)[:2]
@@ -371,7 +371,7 @@ def test_threads_drop_to_one_while_another_process_spins(default_gguf):
         spin.wait()
 
 
-def test_batched_sequences_speculate_inside_the_batch_losslessly(default_gguf):
+def test_batched_sequences_speculate_inside_the_batch_losslessly(default_gguf, monkeypatch):
     from edgellm.engine.batch import BatchEngine, Sequence
 
     r = Runtime(default_gguf, RuntimeOptions(n_ctx=2048, n_threads=1, flash_attn=True))
@@ -379,6 +379,14 @@ def test_batched_sequences_speculate_inside_the_batch_losslessly(default_gguf):
         eng = BatchEngine(r, 2)
         eng.verify_cost = VerifyCost(t1=1.0, tn={2: 1.0}, frozen=True)
         prompts = [_chat(r, IDENTITY_PROMPTS[1]), _chat(r, REPEAT)]
+        rooms: list[tuple[int, int]] = []  # (sequences generating, drafted tokens one of them may add to the step)
+        propose = Speculator.propose
+
+        def recording(self, room):
+            rooms.append((sum(1 for s in eng.slots if s is not None and s.last >= 0), room))
+            return propose(self, room)
+
+        monkeypatch.setattr(Speculator, "propose", recording)
 
         def run(draft: str) -> list[tuple[str, GenerationStats]]:
             out: list[list] = [[], []]
@@ -399,6 +407,8 @@ def test_batched_sequences_speculate_inside_the_batch_losslessly(default_gguf):
         assert [t for t, _ in spec] == [t for t, _ in plain]
         assert sum(st.draft_accepted for _, st in spec) > 10 and eng.drafts.accepted == sum(st.draft_accepted for _, st in spec)
         assert eng.drafts.drafted == sum(st.draft_tokens for _, st in spec) and eng.drafts.steps > 0
+        # a step's rows stay under FA_TILE in all, where each is computed as it would be alone
+        assert max(n for n, _ in rooms) == 2 and all(n * (1 + room) < FA_TILE for n, room in rooms), rooms
     finally:
         r.close()
 

@@ -248,7 +248,9 @@ class BatchEngine:
         n = 0
         gen = [s for s in seqs if s.last >= 0]
         if gen:
-            share = max(0, (self.batch.capacity - len(gen)) // len(gen))  # drafted tokens each may add to the batch
+            # drafted tokens each may add: the step stays under FA_TILE rows in all, where every row is
+            # computed as it would be alone (engine.speculative), whoever else is generating
+            share = max(0, (min(self.batch.capacity, FA_TILE - 1) - len(gen)) // len(gen))
             for s in gen:
                 if s.spec is not None:
                     room = min(
