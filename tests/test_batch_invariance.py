@@ -6,10 +6,11 @@ same logits. Stock ggml breaks that twice on the K-quants users run (Q4_K_M is Q
 and Q6_K): the tiled K-quant matmul takes batches of 8+ rows and sums in another order
 than the one-row kernel, and on CPUs that repack Q4_K the one-row kernel summed each
 super block in integers first while the 4-row one sums every pair of sub blocks in
-float. scripts/patches/ggml-cpu-matmul-batch-invariant.patch fixes the second and lets
-edgellm raise the first one's floor to FA_TILE rows. These tests drive the real
-libggml-cpu of this build through its C API: a graph of one MUL_MAT, and the exported
-repack kernels.
+float. scripts/patches/ggml-cpu-matmul-batch-invariant.patch adds one switch for both
+(the tiled floor moves to FA_TILE rows; the one-row kernel sums as the 4-row one), which
+every edgellm runtime turns on and llama.cpp's tools leave off. These tests drive the
+real libggml-cpu of this build through its C API: a graph of one MUL_MAT, and the
+exported repack kernels.
 """
 
 from __future__ import annotations
@@ -51,14 +52,14 @@ def ggml() -> Iterator[tuple[ctypes.CDLL, ctypes.CDLL]]:
     yield base, cpu
 
 
-def _set_floor(rows: int) -> None:
+def _set_small_batch_invariant(rows: int) -> None:
     lib = backends.lib_dir()
     assert lib is not None
     ggml, base = backends._load_lib(lib, "libggml.so"), backends._load_lib(lib, "libggml-base.so")
     ggml.ggml_backend_reg_by_name.argtypes, ggml.ggml_backend_reg_by_name.restype = [ctypes.c_char_p], ctypes.c_void_p
     get = base.ggml_backend_reg_get_proc_address
     get.argtypes, get.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
-    fn = get(ggml.ggml_backend_reg_by_name(b"CPU"), b"ggml_backend_cpu_set_tiled_mm_min_rows")
+    fn = get(ggml.ggml_backend_reg_by_name(b"CPU"), b"ggml_backend_cpu_set_small_batch_invariant")
     ctypes.CFUNCTYPE(None, ctypes.c_int64)(fn)(rows)
 
 
@@ -96,16 +97,17 @@ def test_a_k_quant_row_in_a_verify_batch_multiplies_as_it_does_alone(ggml, typ):
 
 
 def test_the_stock_floor_of_8_rows_is_what_broke_it(ggml):
-    # the same product with ggml's own floor back: 8 rows take the tiled kernel and row 0 moves
+    # the same product with ggml's own behaviour back (what llama.cpp's tools run): 8 rows take
+    # the tiled kernel and row 0 moves
     rng = np.random.default_rng(7)
     weights = rng.normal(0, 0.02, (768, 2304)).astype(np.float32)
     x = rng.normal(0, 1, (8, 2304)).astype(np.float32)
     alone = _matmul(ggml, GGML_TYPE_Q6_K, weights, x[:1])[0]
     try:
-        _set_floor(8)
+        _set_small_batch_invariant(0)
         row = _matmul(ggml, GGML_TYPE_Q6_K, weights, x)[0]
     finally:
-        _set_floor(FA_TILE)
+        _set_small_batch_invariant(FA_TILE)
     assert not np.array_equal(alone, row)
     assert np.allclose(alone, row, rtol=1e-4, atol=1e-4)  # the same product, rounded otherwise
 
@@ -119,10 +121,8 @@ def _q4_k_x8(rng: np.random.Generator, n_blocks: int, n_groups: int) -> bytes:
     return bytes(out)
 
 
-def test_the_repacked_q4_k_one_row_kernel_sums_as_the_four_row_one(ggml):
-    # the kernels llama.cpp runs for Q4_K weights it repacked (x86 with AVX2, this CPU): a verify
-    # batch of 4+ rows takes the gemm, a lone token the gemv
-    _base, cpu = ggml
+def _repacked_q4_k(cpu: ctypes.CDLL) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of a product through the repacked Q4_K kernels: (each row alone by the gemv, the rows by the gemm)."""
     vp = ctypes.c_void_p
     for name in ("ggml_gemv_q4_K_8x8_q8_K", "ggml_gemm_q4_K_8x8_q8_K"):
         getattr(cpu, name).argtypes = [ctypes.c_int, vp, ctypes.c_size_t, vp, vp, ctypes.c_int, ctypes.c_int]
@@ -138,9 +138,23 @@ def test_the_repacked_q4_k_one_row_kernel_sums_as_the_four_row_one(ggml):
         cpu.ggml_quantize_mat_q8_K_4x8(x[4 * g :].ctypes.data, ctypes.byref(packed, 1168 * n_blocks * g), k)
     batch = np.zeros((rows, cols), np.float32)
     cpu.ggml_gemm_q4_K_8x8_q8_K(k, batch.ctypes.data, cols, weights, packed, rows, cols)
+    alone = np.zeros((rows, cols), np.float32)
     for r in range(rows):
         q = ctypes.create_string_buffer(292 * n_blocks)  # block_q8_K
         cpu.quantize_row_q8_K(x[r].ctypes.data, q, k)
-        alone = np.zeros(cols, np.float32)
-        cpu.ggml_gemv_q4_K_8x8_q8_K(k, alone.ctypes.data, cols, weights, q, 1, cols)
-        assert np.array_equal(alone, batch[r]), (r, float(np.abs(alone - batch[r]).max()))
+        cpu.ggml_gemv_q4_K_8x8_q8_K(k, alone[r].ctypes.data, cols, weights, q, 1, cols)
+    return alone, batch
+
+
+def test_the_repacked_q4_k_one_row_kernel_sums_as_the_four_row_one(ggml):
+    # the kernels llama.cpp runs for the Q4_K weights it repacks (x86 with AVX2): a verify batch
+    # of 4+ rows takes the gemm, a lone token the gemv
+    _base, cpu = ggml
+    alone, batch = _repacked_q4_k(cpu)
+    assert np.array_equal(alone, batch), float(np.abs(alone - batch).max())
+    try:
+        _set_small_batch_invariant(0)  # ggml's own gemv: the same products, rounded otherwise
+        stock, _ = _repacked_q4_k(cpu)
+    finally:
+        _set_small_batch_invariant(FA_TILE)
+    assert not np.array_equal(stock, batch) and np.allclose(stock, batch, rtol=1e-4, atol=1e-3)

@@ -262,12 +262,13 @@ def keep_batch_invariant(small_batch: int) -> bool:
     Stock ggml rounds the same token differently alone and in a small batch (a speculative
     verify batch, a row beside other sequences), so temperature 0 would change with `--draft`:
     at 512+ cached cells and 2+ threads it sums a lone query row's attention in per-thread
-    chunks and merges them (scripts/patches/ggml-cpu-fa-split-kv.patch turns that off), and
-    from 8 rows it multiplies K-quant weights with a tiled kernel that sums in another order
-    than the one-row kernel (scripts/patches/ggml-cpu-matmul-batch-invariant.patch moves the
-    floor of that kernel to `small_batch` rows; the same patch makes the repacked Q4_K
-    one-row kernel sum as the 4-row one does). Both switches are reached like llama.cpp's
-    other CPU switches, through the backend's proc address, and hold for the process.
+    chunks and merges them (scripts/patches/ggml-cpu-fa-split-kv.patch turns that off); from
+    8 rows it multiplies K-quant weights with a tiled kernel that sums in another order than
+    the one-row kernel, and where it repacks Q4_K (x86) its one-row kernel sums a super block
+    otherwise than its 4-row one (scripts/patches/ggml-cpu-matmul-batch-invariant.patch moves
+    the tiled floor to `small_batch` rows and makes the one-row kernel sum as the 4-row one).
+    Both switches are reached like llama.cpp's other CPU switches, through the backend's proc
+    address, and hold for the process; llama.cpp's tools keep ggml's own behaviour.
     False where the build lacks either.
     """
     if "invariant" in _loaded:
@@ -282,12 +283,12 @@ def keep_batch_invariant(small_batch: int) -> bool:
         get.argtypes, get.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
         reg = ggml.ggml_backend_reg_by_name(b"CPU")
         split = get(reg, b"ggml_backend_cpu_set_fa_split_kv") if reg else None
-        floor = get(reg, b"ggml_backend_cpu_set_tiled_mm_min_rows") if reg else None
+        small = get(reg, b"ggml_backend_cpu_set_small_batch_invariant") if reg else None
         if split:
             ctypes.CFUNCTYPE(None, ctypes.c_bool)(split)(False)
-        if floor:
-            ctypes.CFUNCTYPE(None, ctypes.c_int64)(floor)(small_batch)
-        ok = bool(split and floor)
+        if small:
+            ctypes.CFUNCTYPE(None, ctypes.c_int64)(small)(small_batch)
+        ok = bool(split and small)
     if not ok:
         log.debug("this llama.cpp build cannot keep small batches invariant (no edgellm patches)")
     _loaded["invariant"] = ok

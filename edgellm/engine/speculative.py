@@ -46,7 +46,7 @@ DEFAULT_DRAFT_MAX = 48
 # ggml's CPU flash attention takes a tiled path for this many query rows of one sequence in a
 # ubatch or more (GGML_FA_TILE_Q) and sums fewer row by row, which rounds differently from a lone
 # token; edgellm's runtimes move the tiled K-quant matmul's floor (8 rows in stock ggml) here too
-# (engine.backends.keep_batch_invariant). A verify step is the last sampled token and k drafted
+# and make the repacked Q4_K kernels sum alike (engine.backends.keep_batch_invariant). A verify step is the last sampled token and k drafted
 # ones, so k stays below this limit, and a step of several sequences below it in all, or the
 # reply would not be the one decoding without drafts gives.
 FA_TILE = 64
