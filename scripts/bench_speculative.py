@@ -12,7 +12,9 @@ the same --tokens and --threads everywhere, rounds interleaved:
   * llama-server with no speculation and with each `--spec-type`, a fresh
     server per round (edgellm chat is a fresh process each time too; a warm
     ngram-mod table would hold the previous round's reply of the same
-    prompt: --server-warm keeps servers up to show that case).
+    prompt: --server-warm keeps servers up to show that case;
+  --server-invariant runs them with edgellm's small-batch rounding, so
+  both sides reply with the same text and a ratio compares drafting alone).
   Reported: medians of tokens/s, drafted/accepted, ratios to llama-server's
   best spec type (grounded prompts, goal >= 1.10x) and to edgellm without
   drafts (open-ended, goal >= 0.97x), and whether the replies were identical.
@@ -332,8 +334,14 @@ def part_prompts(a, path: Path, exe: Path) -> dict:
             "ratio_vs_best_server": r_srv,
             "ratio_vs_edgellm_off": r_off,
             "identical": identical[n],
+            # the same text as llama-server's (without speculation)? Otherwise the ratios compare two replies
+            "same_text_as_server": [
+                o["text"] == v["text"] for o, v in zip(res[n]["edgellm-off"], res[n]["server-none"], strict=True)
+            ],
             "runs": res[n],
         }
+        same = summary[n]["same_text_as_server"]
+        print(f"  {n}: edgellm's reply is llama-server's in {sum(same)} of {len(same)} rounds", file=sys.stderr)
     return summary
 
 
@@ -441,6 +449,12 @@ def main() -> None:
         action="store_true",
         help="keep each llama-server up across rounds (its n-gram table then holds earlier replies)",
     )
+    ap.add_argument(
+        "--server-invariant",
+        action="store_true",
+        help="run llama.cpp's tools with edgellm's small-batch rounding (GGML_CPU_SMALL_BATCH_INVARIANT, "
+        "scripts/patches): both sides then reply with the same text, so a ratio compares drafting alone",
+    )
     ap.add_argument("--draft-target", help="part 2: the target model (e.g. the 1.93B widened model at Q8_0)")
     ap.add_argument("--draft-model", help="part 2: its draft model (e.g. the default model at Q4_0)")
     ap.add_argument("--skip-prompts", action="store_true", help="skip part 1 (the six prompts)")
@@ -448,9 +462,19 @@ def main() -> None:
     ap.add_argument("--busy-tokens", type=int, default=128)
     ap.add_argument("--json", dest="json_out", help="write every run here")
     a = ap.parse_args()
+    if a.server_invariant:  # inherited by every llama-server and llama-completion this script starts
+        from edgellm.engine.speculative import FA_TILE
+
+        os.environ["GGML_CPU_SMALL_BATCH_INVARIANT"] = str(FA_TILE)
     tools = tools_dir()
     path = model_path(a.model)
-    result: dict = {"model": str(path), "threads": a.threads, "tokens": a.tokens, "rounds": a.rounds}
+    result: dict = {
+        "model": str(path),
+        "threads": a.threads,
+        "tokens": a.tokens,
+        "rounds": a.rounds,
+        "server_invariant": a.server_invariant,
+    }
 
     def save() -> None:  # after each part: a later part's failure keeps what was measured
         if a.json_out:
