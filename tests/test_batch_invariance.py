@@ -53,13 +53,8 @@ def ggml() -> Iterator[tuple[ctypes.CDLL, ctypes.CDLL]]:
 
 
 def _set_small_batch_invariant(rows: int) -> None:
-    lib = backends.lib_dir()
-    assert lib is not None
-    ggml, base = backends._load_lib(lib, "libggml.so"), backends._load_lib(lib, "libggml-base.so")
-    ggml.ggml_backend_reg_by_name.argtypes, ggml.ggml_backend_reg_by_name.restype = [ctypes.c_char_p], ctypes.c_void_p
-    get = base.ggml_backend_reg_get_proc_address
-    get.argtypes, get.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
-    fn = get(ggml.ggml_backend_reg_by_name(b"CPU"), b"ggml_backend_cpu_set_small_batch_invariant")
+    fn = backends.cpu_proc("ggml_backend_cpu_set_small_batch_invariant")
+    assert fn
     ctypes.CFUNCTYPE(None, ctypes.c_int64)(fn)(rows)
 
 

@@ -273,26 +273,31 @@ def keep_batch_invariant(small_batch: int) -> bool:
     """
     if "invariant" in _loaded:
         return bool(_loaded["invariant"])
-    ok = False
-    lib = lib_dir()
-    if lib is not None and (lib / "libggml.so").exists():
-        ggml = _load_lib(lib, "libggml.so")
-        base = _load_lib(lib, "libggml-base.so")
-        ggml.ggml_backend_reg_by_name.argtypes, ggml.ggml_backend_reg_by_name.restype = [ctypes.c_char_p], ctypes.c_void_p
-        get = base.ggml_backend_reg_get_proc_address
-        get.argtypes, get.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
-        reg = ggml.ggml_backend_reg_by_name(b"CPU")
-        split = get(reg, b"ggml_backend_cpu_set_fa_split_kv") if reg else None
-        small = get(reg, b"ggml_backend_cpu_set_small_batch_invariant") if reg else None
-        if split:
-            ctypes.CFUNCTYPE(None, ctypes.c_bool)(split)(False)
-        if small:
-            ctypes.CFUNCTYPE(None, ctypes.c_int64)(small)(small_batch)
-        ok = bool(split and small)
+    split = cpu_proc("ggml_backend_cpu_set_fa_split_kv")
+    small = cpu_proc("ggml_backend_cpu_set_small_batch_invariant")
+    if split:
+        ctypes.CFUNCTYPE(None, ctypes.c_bool)(split)(False)
+    if small:
+        ctypes.CFUNCTYPE(None, ctypes.c_int64)(small)(small_batch)
+    ok = bool(split and small)
     if not ok:
         log.debug("this llama.cpp build cannot keep small batches invariant (no edgellm patches)")
     _loaded["invariant"] = ok
     return ok
+
+
+def cpu_proc(name: str) -> Optional[int]:
+    """The address of one of the CPU backend's extra functions (llama.cpp's switches, edgellm's patches); None if absent."""
+    lib = lib_dir()
+    if lib is None or not (lib / "libggml.so").exists():
+        return None
+    ggml = _load_lib(lib, "libggml.so")
+    base = _load_lib(lib, "libggml-base.so")
+    ggml.ggml_backend_reg_by_name.argtypes, ggml.ggml_backend_reg_by_name.restype = [ctypes.c_char_p], ctypes.c_void_p
+    get = base.ggml_backend_reg_get_proc_address
+    get.argtypes, get.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
+    reg = ggml.ggml_backend_reg_by_name(b"CPU")
+    return get(reg, name.encode()) if reg else None
 
 
 def _load_lib(lib: Path, name: str) -> ctypes.CDLL:
