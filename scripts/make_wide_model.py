@@ -205,6 +205,13 @@ def write_wide(
         plan.append((t.name, kind, t, shape))
         if kind == "embd" and "output.weight" not in names and factor > 1:
             plan.append(("output.weight", "output", t, shape))  # untied: the logits read the copied state
+    if dither and not any(len(t.shape) >= 2 and t.tensor_type.name in STEP_TYPES for t in src.tensors):
+        # a float base has no block steps: nothing would be dithered, and the output would be the grid base
+        # under a "dithered" name (its F16, dequantized from Q4_1, still holds the grid)
+        raise WidenError(
+            f"--dither needs a base whose matrices are stored in {', '.join(sorted(STEP_TYPES))} (their block "
+            f"steps set the noise); {base.name} has none: pass the quantized file it was made from"
+        )
     ftype = {"f32": 0, "f16": 1, "bf16": 32}[out_type]
     check_free_disk(out.parent, sum(_nbytes(s, out_type) for *_, s in plan) + (1 << 24), what=out.name)
 

@@ -99,6 +99,10 @@ def test_dither_fills_each_block_and_stays_within_half_a_step(default_gguf, f16_
     assert run_script(default_gguf, "--factor", "1", "--dither", "--seed", "8", "--no-check", "-o", other).returncode == 0
     digest = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (out, again, other)]
     assert digest[0] == digest[1] != digest[2]
+    # the F16 holds no block steps: dithering it would write the grid base under a "dithered" name
+    from_f16 = run_script(f16_session[0].path, "--factor", "1", "--dither", "--no-check", "-o", tmp_path / "f16d.gguf")
+    assert from_f16.returncode == 2 and "--dither needs a base whose matrices are stored in" in from_f16.stderr
+    assert len(from_f16.stderr.strip().splitlines()) == 1 and not list(tmp_path.glob("f16d*"))
 
 
 def test_other_architectures_and_bad_input_are_one_line_errors(tmp_path):
