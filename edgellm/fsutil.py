@@ -10,14 +10,17 @@ start tell a dead job's leftovers from a live job's work in progress.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import hashlib
 import logging
 import mmap
 import os
 import re
 import shutil
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Optional
 
@@ -117,17 +120,46 @@ def fsync_path(path: Path) -> None:
             os.close(fd)
 
 
-def sync_soon(paths: list[Path]) -> threading.Thread:
-    """fsync `paths` on a daemon thread (missing ones skipped); returns the thread.
+_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writing the range's dirty pages back, do not wait
 
-    For files still being written: synced every so often, the data and the
-    filesystem's block allocations for it reach the disk as the file grows,
-    so the fsync before its rename finds almost nothing left (a 105 MB
-    quantized file: ~15 ms instead of 0.1-0.2 s at the end)."""
+
+@functools.lru_cache(maxsize=1)
+def _sync_file_range() -> Optional[Callable[..., int]]:
+    """Linux's sync_file_range(2) through libc; None elsewhere (Python's os module does not bind it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def sync_soon(paths: list[Path]) -> Optional[threading.Thread]:
+    """Start writing `paths` back to disk on a daemon thread (missing ones skipped), without waiting for
+    the disk; returns the thread, or None where the OS has no such call.
+
+    For files another process is still writing: their pages go to disk as the file grows, so the fsync
+    before the rename finds little left. It used to be a full fsync every 0.25 s, which made llama.cpp's
+    own writes wait (pages under write-back, journal commits): on the 1.93B model's Q8_0 the
+    llama_model_quantize call took 12.1-13.7 s against llama-quantize's 10.5-11.8 s; starting the
+    write-back only (sync_file_range WRITE) 10.2-11.3 s (3 interleaved rounds, 2-core EPYC VM)."""
+    start = _sync_file_range()
+    if start is None:
+        return None
 
     def run() -> None:
         for p in paths:
-            fsync_path(p)
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                start(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+            finally:
+                os.close(fd)
 
     t = threading.Thread(target=run, name="sync-soon", daemon=True)
     t.start()

@@ -298,3 +298,29 @@ def test_output_path_and_json_shape(cli, f16_model, edgellm_home, tmp_path):
 
     rec = Store().get("smollm2-135m-instruct-q4_0")
     assert rec.path == target and rec.parent == F16_NAME
+
+
+def test_outputs_are_written_back_as_they_grow_without_waiting(tmp_path):
+    """The quantize loop starts the growing outputs' write-back (sync_file_range WRITE on Linux) instead
+    of fsyncing them: a full fsync every 0.25 s made llama.cpp's own writes wait (docs/scale.md)."""
+    import sys
+
+    from edgellm import fsutil
+
+    out = tmp_path / "growing.gguf"
+    data = os.urandom(1 << 20)
+    out.write_bytes(data)
+    start = fsutil._sync_file_range()
+    if not sys.platform.startswith("linux"):
+        assert start is None and fsutil.sync_soon([out]) is None
+        return
+    assert start is not None
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        assert start(fd, 0, 0, fsutil._SYNC_FILE_RANGE_WRITE) == 0  # the binding's arguments are right
+    finally:
+        os.close(fd)
+    t = fsutil.sync_soon([out, tmp_path / "missing.gguf"])  # a level not started yet is skipped
+    assert t is not None
+    t.join(10)
+    assert not t.is_alive() and out.read_bytes() == data
