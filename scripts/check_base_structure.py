@@ -41,11 +41,11 @@ if str(ROOT) not in sys.path:
 
 from edgellm.gguf.layout import read_tensors  # noqa: E402
 from quant._ggml import ggml  # noqa: E402
+from quant.budget import SAMPLE_ROWS  # noqa: E402  (the rows the --budget proxy samples)
 from quant.imatrix_file import read_imatrix  # noqa: E402
 from quant.recipe import TYPES  # noqa: E402
 
 COMPARE = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0")
-ROWS = 256
 
 
 def q4k_fields(q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -140,7 +140,7 @@ def main() -> int:
             print(f"{t.name}: skipped (needs 256-multiple rows, an importance entry, F16/F32)")
             continue
         data = np.frombuffer(raw[t.data_offset : t.data_offset + t.n_bytes], dtypes[t.type_name]).reshape(nrows, cols)
-        pick = np.unique(np.linspace(0, nrows - 1, min(nrows, ROWS)).astype(np.int64))
+        pick = np.unique(np.linspace(0, nrows - 1, min(nrows, SAMPLE_ROWS)).astype(np.int64))
         rows = np.ascontiguousarray(data[pick], np.float32)
         imp = entries[t.name].normalized().astype(np.float32).reshape(-1)[:cols]
         for label, r in (("model", rows), ("smooth", surrogate(rows, rng))):
