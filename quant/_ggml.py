@@ -15,14 +15,15 @@ misread.
 from __future__ import annotations
 
 import ctypes
-import glob
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from edgellm.errors import RuntimeFailure
+from quant.rounding import base_library, set_rounding
 
 
 class Tensor(ctypes.Structure):
@@ -67,13 +68,7 @@ class GGML:
     """libggml-base with the signatures declared; one per process (`ggml()`)."""
 
     def __init__(self) -> None:
-        import llama_cpp  # lazy: loading the shared library is the caller's choice, not an import side effect
-
-        libdir = Path(llama_cpp.__file__).resolve().parent / "lib"
-        found = sorted(glob.glob(str(libdir / "libggml-base.*")) + glob.glob(str(libdir / "ggml-base.dll")))
-        if not found:
-            raise RuntimeFailure(f"libggml-base not found in {libdir}; reinstall with scripts/setup.sh")
-        lib = ctypes.CDLL(found[0])
+        lib = base_library()
         lib.ggml_tensor_overhead.restype = ctypes.c_size_t
         lib.ggml_op_name.restype = ctypes.c_char_p
         lib.ggml_op_name.argtypes = [ctypes.c_int]
@@ -117,6 +112,15 @@ class GGML:
             type_id, rows.ctypes.data, dst.ctypes.data, 0, n, cols, imatrix.ctypes.data if imatrix is not None else None
         )
         return dst
+
+    @contextmanager
+    def rounding(self, rounding: str) -> Iterator[None]:
+        """Quantize as `rounding` says inside the block (process-wide: every thread rounds alike)."""
+        was = set_rounding(self.lib, rounding)
+        try:
+            yield
+        finally:
+            set_rounding(self.lib, was)
 
     def to_float(self, type_id: int, data: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
         """`data` (a quantized block array of `shape` values) read back as float32, with ggml's own to_float."""

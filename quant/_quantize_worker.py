@@ -11,7 +11,8 @@ Protocol: argv[1] is the parent's pid. The parent starts the worker early
 one JSON object per line: {input, output, ftype, nthread, allow_requantize}
 and optionally imatrix (a GGUF imatrix file), imatrix_label (the file name
 recorded in the output, as llama-quantize records its --imatrix argument),
-tt_overrides ([[regex, ggml type id], ...]) and dry_run.
+tt_overrides ([[regex, ggml type id], ...]), rounding (quant._ggml's REFINED for
+--budget and --recipe files; stock otherwise) and dry_run.
 For each, on a private copy of stdout, the child writes one JSON object per
 line: {"log": text, "level": n} for every complete llama.cpp log line
 (captured with `llama_log_set`), then {"done": rc, "seconds": s}. It exits
@@ -168,6 +169,7 @@ def main() -> int:
     except Exception:
         prev_cb, prev_ud = None, ctypes.c_void_p(0)
     emit({"ready": True})
+    base_lib: list = []
     for raw in sys.stdin:
         if not raw.strip():
             continue
@@ -179,6 +181,12 @@ def main() -> int:
             params.nthread = int(job["nthread"])
             params.allow_requantize = bool(job["allow_requantize"])
             keep = _extra_params(L, params, job)  # noqa: F841 (C pointers into these must outlive the call)
+            if job.get("rounding") or base_lib:
+                # the worker is reused: a stock level after a --budget file must round as llama.cpp does again
+                from quant.rounding import base_library, set_rounding
+
+                base_lib = base_lib or [base_library()]
+                set_rounding(base_lib[0], job.get("rounding") or "")
             t0 = time.perf_counter()
             rc = L.llama_model_quantize(job["input"].encode(), job["output"].encode(), ctypes.byref(params))
             seconds = time.perf_counter() - t0

@@ -54,7 +54,7 @@ from edgellm.gguf.layout import read_tensors
 from edgellm.gguf.reader import GGUFInfo
 from edgellm.models.store import Store
 from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress, staged
-from quant import sensitivity
+from quant import rounding, sensitivity
 from quant._common import BaseInput, base_name
 from quant._ggml import ggml
 from quant.allocate import Matrix, allocate, group_options
@@ -306,7 +306,7 @@ def calibrated_choice(
     type at hand (quant/sensitivity.py); probes are measured as the allocation asks for them."""
     t0 = time.perf_counter()
     sensitivity.clean_legacy()  # probe folders an older, file-based search left when it was killed
-    key = sensitivity.cache_key(model_sha256, imatrix_sha256)
+    key = sensitivity.cache_key(model_sha256, imatrix_sha256, rounding.BUDGET)
     results = sensitivity.load_results(key)
     cached = len(results)
     groups: dict[str, list[Matrix]] = {}
@@ -380,27 +380,28 @@ def plan(
     model_path, info, rec = src.path, src.info, src.resolved.record
     types, excl, overhead, smallest = check_budget(model_path, info, budget, exclude)
     progress = on_progress or no_progress
-    mats, kept = measure(
-        model_path, imatrix.matrix, types, cancel=cancel, on_progress=staged(progress, STAGES, "measure"), threads=threads
-    )
-    limit = budget.bytes - overhead - kept
-    calibration: dict[str, Any] = {}
-    if calibrate:
-        choice, used, calibration = calibrated_choice(
-            model_path,
-            read_tensors(model_path).tensors,
-            imatrix.matrix,
-            mats,
-            limit,
-            n_layers=info.block_count,
-            model_sha256=(rec.sha256 if rec is not None else None) or sha256_file(model_path),
-            imatrix_sha256=imatrix.sha256 or "none",
-            threads=threads,
-            cancel=cancel,
-            on_progress=staged(progress, STAGES, "calibrate"),
+    with ggml().rounding(rounding.BUDGET):  # every probe and proxy error rounds as the file will be written
+        mats, kept = measure(
+            model_path, imatrix.matrix, types, cancel=cancel, on_progress=staged(progress, STAGES, "measure"), threads=threads
         )
-    else:
-        choice, used = allocate(mats, limit)
+        limit = budget.bytes - overhead - kept
+        calibration: dict[str, Any] = {}
+        if calibrate:
+            choice, used, calibration = calibrated_choice(
+                model_path,
+                read_tensors(model_path).tensors,
+                imatrix.matrix,
+                mats,
+                limit,
+                n_layers=info.block_count,
+                model_sha256=(rec.sha256 if rec is not None else None) or sha256_file(model_path),
+                imatrix_sha256=imatrix.sha256 or "none",
+                threads=threads,
+                cancel=cancel,
+                on_progress=staged(progress, STAGES, "calibrate"),
+            )
+        else:
+            choice, used = allocate(mats, limit)
     staged(progress, STAGES, "allocate")(Progress("per-tensor types", 1, 1, "recipe", message=f"{len(mats)} matrices"))
     return Recipe(
         architecture=info.architecture,
@@ -416,6 +417,7 @@ def plan(
         measure="imatrix-weighted squared error"
         + (" x KLD per unit error of its group in that type, measured on the calibration text" if calibrate else ""),
         calibration=calibration,
+        rounding=rounding.BUDGET,
     )
 
 

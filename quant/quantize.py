@@ -52,6 +52,7 @@ from quant._common import BaseInput, OutputPlan, check_writable, open_input, pla
 from quant._workers import Job, Worker, llama_failure, parse_log
 from quant.levels import Level, check_levels, estimate_size, parse_level
 from quant.quantize_result import QuantizeResult, describe, finish
+from quant.rounding import STOCK
 
 if TYPE_CHECKING:  # annotations only: quant.imatrix loads numpy and the engine, which a plain level never needs
     from quant.imatrix import ImatrixChoice
@@ -66,6 +67,7 @@ class TensorOverrides:
     pairs: list[tuple[str, int]]  # (regex over tensor names, ggml type id), first match wins
     lineage: dict[str, Any]  # the recipe's file, budget, ... as the store record keeps it
     label: str  # names the output in place of the level: `<base>-budget-90mb`
+    rounding: str = STOCK  # how K-quant blocks are rounded (quant._ggml.REFINED for --budget/--recipe files)
 
 
 # long: the public entry point: its keyword arguments are the API (15 lines), then workers set up and always closed
@@ -302,6 +304,8 @@ def _run_levels(
             spec.update(imatrix=str(imatrix.path), imatrix_label=str(imatrix.path))
         if overrides is not None and overrides.pairs:
             spec["tt_overrides"] = [list(p) for p in overrides.pairs]
+        if overrides is not None and overrides.rounding:
+            spec["rounding"] = overrides.rounding
         worker.submit(spec)
         active[worker] = job
 

@@ -26,6 +26,7 @@ from edgellm.progress import CancelToken, ProgressCallback, no_progress
 from quant._common import BaseInput, open_input
 from quant.levels import is_quantized, type_id_block
 from quant.quantize import QuantizeResult, TensorOverrides, quantize
+from quant.rounding import ROUNDINGS, STOCK
 
 if TYPE_CHECKING:  # annotations only: quant.imatrix loads numpy, which applying a recipe without a matrix skips
     from quant.imatrix import ImatrixChoice
@@ -64,6 +65,7 @@ class Recipe:
     calibration: dict[str, Any] = field(default_factory=dict)  # the sensitivity probes (quant/sensitivity.py)
     model: Optional[str] = None
     imatrix: Optional[dict[str, Any]] = None  # ImatrixChoice.lineage()
+    rounding: str = STOCK  # how its K-quant blocks are rounded (quant/rounding.py); recipes before it: stock
     file: str = ""  # where it is saved
 
     def to_json(self) -> dict[str, Any]:
@@ -121,6 +123,8 @@ def load_recipe(path: Path | str) -> Recipe:
         raise UsageError(f"{p}: no such recipe file") from None
     except (ValueError, KeyError, TypeError, OSError):
         raise QuantizeError(f"{p.name}: not an edgellm recipe (JSON with architecture and tensor_types)") from None
+    if recipe.rounding not in ROUNDINGS:
+        raise QuantizeError(f"{p.name}: rounding {recipe.rounding!r} is not one this edgellm knows (a newer edgellm's recipe?)")
     return recipe
 
 
@@ -201,7 +205,7 @@ def apply_recipe(
     recipe = load_recipe(recipe_file)
     check_recipe(recipe, job.src.path, job.src.info, job.src.label)
     label = "recipe-" + re.sub(r"[^a-z0-9._+-]", "-", Path(recipe_file).stem.lower())[:40]
-    lineage = {"file": recipe.file, "made_for": recipe.model, "tensors": len(recipe.tensor_types)}
+    lineage = {"file": recipe.file, "made_for": recipe.model, "tensors": len(recipe.tensor_types), "rounding": recipe.rounding}
     recipe.search_seconds = 0.0
     choice = job.imatrix(imatrix) if imatrix is not None else None
     needy = sorted({t for _p, t in recipe.tensor_types if t in NEEDS_IMATRIX})
@@ -240,7 +244,7 @@ class RecipeJob:
             threads=self.threads,
             force=self.force,
             imatrix=imatrix,
-            overrides=TensorOverrides(recipe.overrides(), lineage, label),
+            overrides=TensorOverrides(recipe.overrides(), lineage, label, recipe.rounding),
             store=self.store,
             on_progress=self.on_progress,
             cancel=self.cancel,

@@ -17,7 +17,7 @@ from typing import Optional
 from edgellm.errors import EdgeLLMError
 from edgellm.fsutil import sha256_file
 from edgellm.models.store import Store
-from quant import sensitivity
+from quant import rounding, sensitivity
 from quant.imatrix import ImatrixRecord, get_imatrix, model_sha256, stored_for
 from quant.recipe import list_recipes, load_recipe, resolve_base
 
@@ -59,7 +59,7 @@ def search_cost(base: str, imatrix: str = "auto", *, store: Optional[Store] = No
     matrix = _matrix(imatrix, model_sha)
     cached = 0
     if matrix is not None:
-        cached = len(sensitivity.load_results(sensitivity.cache_key(model_sha, sha256_file(matrix.path))))
+        cached = len(sensitivity.load_results(sensitivity.cache_key(model_sha, sha256_file(matrix.path), rounding.BUDGET)))
     for saved in list_recipes():  # newest first: the latest search of this base on this machine
         if saved.model != src.label:
             continue

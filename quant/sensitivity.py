@@ -144,8 +144,9 @@ class ProbeResult:
         return self.kld / self.error if self.error > 0 else 0.0
 
 
-def cache_key(model_sha256: str, imatrix_sha256: str) -> dict[str, Any]:
+def cache_key(model_sha256: str, imatrix_sha256: str, rounding: str) -> dict[str, Any]:
     return {
+        "rounding": rounding,  # a probe's KLD is that of the blocks the quantizer wrote
         "model": model_sha256,
         "imatrix": imatrix_sha256,
         "ctx": PROBE_CTX,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -378,22 +379,29 @@ def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(
     )
     assert again.exit_code == 0, again
     assert again.json()[0]["sha256"] == out["sha256"]
-    # ... and so does llama-quantize with the recipe's --tensor-type-file twin
-    ref = tmp_path / "ref.gguf"
+    # ... and so does llama-quantize with the recipe's --tensor-type-file twin and the refined rounding, which
+    # makes a difference: the recipe has K-quant matrices (ffn_down, 1,536 wide) whose blocks it rounds anew
+    assert recipe["rounding"] == "refined-k1"
+    assert {"Q4_K", "Q5_K"} & set(out["tensor_types"]), out["tensor_types"]
     types = Path(out["recipe_file"]).with_suffix(".txt")
-    run_ok(
-        llama_tools / "llama-quantize",
-        "--imatrix",
-        session_imatrix,
-        "--tensor-type-file",
-        types,
-        f16_path,
-        ref,
-        "Q4_K_M",
-        "2",
-        timeout=900,
-    )
-    assert _sha(ref) == out["sha256"]
+    shas = {}
+    for refine in ("1", "0"):
+        ref = tmp_path / f"ref-{refine}.gguf"
+        run_ok(
+            llama_tools / "llama-quantize",
+            "--imatrix",
+            session_imatrix,
+            "--tensor-type-file",
+            types,
+            f16_path,
+            ref,
+            "Q4_K_M",
+            "2",
+            env=dict(os.environ, GGML_QUANT_REFINE=refine),
+            timeout=900,
+        )
+        shas[refine] = _sha(ref)
+    assert shas["1"] == out["sha256"] and shas["0"] != out["sha256"]
 
 
 def _check_measured_gains(recipe: dict, f16_path: Path, imatrix: Path) -> None:
