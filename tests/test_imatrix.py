@@ -381,7 +381,7 @@ def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(
     assert again.json()[0]["sha256"] == out["sha256"]
     # ... and so does llama-quantize with the recipe's --tensor-type-file twin and the refined rounding, which
     # makes a difference: the recipe has K-quant matrices (ffn_down, 1,536 wide) whose blocks it rounds anew
-    assert recipe["rounding"] == "refined-k1"
+    assert recipe["rounding"] == out["rounding"] == "refined-k1"
     assert {"Q4_K", "Q5_K"} & set(out["tensor_types"]), out["tensor_types"]
     types = Path(out["recipe_file"]).with_suffix(".txt")
     shas = {}

@@ -110,10 +110,22 @@ def quantize_cmd(
 
                 r, recipe = quantize_to_budget(model, budget=budget, exclude=exclude_types.split(","), **job)
         if as_json:
-            emit_json([{**r.to_json(), "search_seconds": recipe.search_seconds, "recipe_file": recipe.file}])
+            emit_json(
+                [
+                    {
+                        **r.to_json(),
+                        "search_seconds": recipe.search_seconds,
+                        "recipe_file": recipe.file,
+                        "rounding": recipe.rounding,
+                    }
+                ]
+            )
             return
+        from quant.rounding import describe as rounding_text
+
         click.echo(describe(r))
         click.echo(f"  recipe: {recipe.file} (search {recipe.search_seconds:.1f} s, quantization {r.quantize_seconds:.1f} s)")
+        click.echo(f"  rounding: {rounding_text(recipe.rounding)}")
         return
     wanted = [part.strip() for text in levels for part in text.split(",") if part.strip()]
     with running_job(not no_progress and not as_json) as (bar, token):
