@@ -130,6 +130,8 @@ def recipe_speed(env: dict, base: str, f16_path: str, recipe: str, tools: Path, 
     start and finish costs show apart from the quantization."""
     t = str(args.threads)
     mine_s, ref_s, mine_call, mine_job, ref_call = [], [], [], [], []
+    # the recipe's rounding (quant/rounding.py) on both sides: the same work, and the same bytes
+    ref_env = dict(env, GGML_QUANT_REFINE="1" if json.loads(Path(recipe).read_text()).get("rounding") else "0")
     for i in range(args.runs):
         for which in [0, 1] if i % 2 == 0 else [1, 0]:
             t0 = time.perf_counter()
@@ -149,7 +151,7 @@ def recipe_speed(env: dict, base: str, f16_path: str, recipe: str, tools: Path, 
                         "Q4_K_M",
                         t,
                     ],
-                    env,
+                    ref_env,
                     stderr=True,
                 )
                 ref_s.append(time.perf_counter() - t0)

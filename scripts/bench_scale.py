@@ -95,8 +95,8 @@ class Bench:
             r["json"] = json.loads(r["stdout"])
         return r
 
-    def llama(self, tool: str, *args) -> dict:
-        r = measured([self.tools / tool, *args], dirs=[self.ref, self.tmp])
+    def llama(self, tool: str, *args, env: dict | None = None) -> dict:
+        r = measured([self.tools / tool, *args], dirs=[self.ref, self.tmp], env=dict(os.environ, **(env or {})))
         if r["rc"] != 0:
             raise JobError(f"{tool} exit {r['rc']}: {r['stderr'].strip()[-400:]}")
         return r
@@ -227,7 +227,7 @@ def job_imatrix(b: Bench, f: int):
     return mine, ref, {"anon_few_over_many": few["peak_anon"] / mine["peak_anon"], "few_chunks": b.a.few_chunks}
 
 
-def quantize_pair(b: Bench, f: int, job: str, mine_args: list, ref_args: list, ref_type: str):
+def quantize_pair(b: Bench, f: int, job: str, mine_args: list, ref_args: list, ref_type: str, ref_env: dict | None = None):
     name = b.model(f)
     path, out = b.inspect(name)["path"], b.ref / f"{job}.gguf"
     last: dict = {}
@@ -239,7 +239,7 @@ def quantize_pair(b: Bench, f: int, job: str, mine_args: list, ref_args: list, r
 
     def ref():
         out.unlink(missing_ok=True)  # written afresh each run, as edgellm's is
-        r = b.llama("llama-quantize", *ref_args, path, out, ref_type, b.t)
+        r = b.llama("llama-quantize", *ref_args, path, out, ref_type, b.t, env=ref_env)
         m = re.search(r"quantize time =\s*([0-9.]+) ms", r["stderr"] + r["stdout"])
         return r | ({"call_s": float(m.group(1)) / 1000} if m else {})
 
@@ -571,7 +571,17 @@ def recipe_pair(b: Bench, f: int):
     recipe = b.recipes.get(f)
     if not recipe:
         raise JobError("no recipe: run the budget job first (--only budget,recipe)")
-    return quantize_pair(b, f, "recipe", ["--recipe", recipe], ["--tensor-type-file", Path(recipe).with_suffix(".txt")], "Q4_K_M")
+    # the recipe's rounding (quant/rounding.py) on both sides: the same work, and the same bytes
+    refine = "1" if json.loads(Path(recipe).read_text())["rounding"] else "0"
+    return quantize_pair(
+        b,
+        f,
+        "recipe",
+        ["--recipe", recipe],
+        ["--tensor-type-file", Path(recipe).with_suffix(".txt")],
+        "Q4_K_M",
+        {"GGML_QUANT_REFINE": refine},
+    )
 
 
 if __name__ == "__main__":
