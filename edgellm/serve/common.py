@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -124,13 +125,18 @@ class Reply:
     """The events of one job, posted by the model's worker thread and read on the event loop.
 
     Waking the event loop is a context switch onto a core that llama.cpp's
-    threads are decoding on, once per token per request. So an event posted
-    while a wake-up is still pending rides along with it, and a reply that is
-    not streamed is woken only by the events its reader waits for (start,
-    end, error, embeddings); its text waits in the buffer until then.
+    threads are decoding on, and its SSE frame and socket write stall both
+    of them at their next barrier (a busy core costs more than its share).
+    So an event posted while a wake-up is still pending rides along with it;
+    a streamed reply's text wakes the loop at once for its first piece and
+    then at most every FLUSH_S (the pieces between ride on the next wake-up,
+    merged into one chunk: a few tokens per frame, as a reader at 20 Hz
+    cannot tell apart); and a reply that is not streamed is woken only by the
+    events its reader waits for (start, end, error, embeddings).
     """
 
     WAKE = frozenset({"start", "end", "error", "embeddings"})
+    FLUSH_S = 0.05
 
     def __init__(self, loop: asyncio.AbstractEventLoop, *, stream: bool = True) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -139,12 +145,20 @@ class Reply:
         self._lock = threading.Lock()
         self._buffer: list[tuple[str, Any]] = []
         self._pending = False
+        self._text_woke = 0.0  # when text last woke the loop; 0: never
 
     def emit(self, event: tuple[str, Any]) -> None:  # called from a worker thread
         with self._lock:
             self._buffer.append(event)
-            if self._pending or (not self.stream and event[0] not in self.WAKE):
+            if self._pending:
                 return
+            if event[0] not in self.WAKE:
+                if not self.stream:
+                    return
+                now = time.perf_counter()
+                if now - self._text_woke < self.FLUSH_S:
+                    return
+                self._text_woke = now
             self._pending = True
         try:
             self.loop.call_soon_threadsafe(self._drain)
@@ -154,8 +168,34 @@ class Reply:
     def _drain(self) -> None:
         with self._lock:
             events, self._buffer, self._pending = self._buffer, [], False
-        for event in events:
+        for event in merge_text(events):
             self.queue.put_nowait(event)
+
+
+def merge_text(events: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Each run of consecutive text pieces as one piece, the run's logprobs before it: the routes attach
+    the logprobs they hold to the next text they send, so the chunk carries every token it spells."""
+    out: list[tuple[str, Any]] = []
+    text: list[str] = []
+    lps: list[tuple[str, Any]] = []
+
+    def close() -> None:
+        out.extend(lps)
+        if text:
+            out.append(("text", "".join(text)))
+        text.clear()
+        lps.clear()
+
+    for ev in events:
+        if ev[0] == "text":
+            text.append(ev[1])
+        elif ev[0] == "logprob":
+            lps.append(ev)
+        else:
+            close()
+            out.append(ev)
+    close()
+    return out
 
 
 async def _cancel_on_disconnect(request: Any, job: Job, reply: Reply) -> None:
