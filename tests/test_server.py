@@ -552,6 +552,43 @@ def test_a_reused_prefix_gives_the_reply_a_fresh_prompt_gives(batching):
     assert logprobs(rs[1]) == logprobs(rs[0]) and logprobs(rs[2]) == logprobs(rs[0])
 
 
+def test_a_shared_system_prompt_is_reused_up_to_the_last_turn_and_gives_the_fresh_reply(batching):
+    # A long prompt's last turn (from the first turn marker in its last MAX_ROW_TAIL tokens) is computed
+    # row by row, fresh or reused, so another question on the same system prompt reuses every cell before
+    # that turn and decodes only the turn -- and still gets, to the bit, the reply it gets computed fresh
+    # (before, it re-decoded a tiled tail of FA_TILE tokens: 4x the turn on the RAG workload)
+    _, url = batching
+    c = _par_client(url)
+    system = f"You answer questions about the harbour (run {time.time()}). " + " ".join(
+        f"Berth {i} takes ships up to {100 + 7 * i} metres and opens at {6 + i % 5}:00." for i in range(40)
+    )
+
+    def ask(q: str):
+        return c.chat.completions.create(
+            model=DEFAULT_NAME,
+            max_tokens=24,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=5,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+        )
+
+    fresh = ask("Which berth takes the longest ship?")
+    other = ask("When does berth 3 open?")  # reuses the system prompt from `fresh`'s slot
+    again = ask("Which berth takes the longest ship?")  # its own cells past the system prompt are gone
+    for r in (other, again):
+        cached, n = r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens
+        assert 500 < cached and 2 <= n - cached <= 48, r.usage
+    assert fresh.usage.prompt_tokens_details.cached_tokens < 40
+    assert again.usage.prompt_tokens_details.cached_tokens == other.usage.prompt_tokens_details.cached_tokens
+
+    def logprobs(r) -> list[list[float]]:
+        return [[t.logprob for t in tok.top_logprobs] for tok in r.choices[0].logprobs.content]
+
+    assert again.choices[0].message.content == fresh.choices[0].message.content
+    assert logprobs(again) == logprobs(fresh)
+
+
 def _ask_n(c: openai.OpenAI, q: str, n: int):
     return c.chat.completions.create(
         model=DEFAULT_NAME, max_tokens=n, temperature=0, logprobs=True, top_logprobs=5, messages=[{"role": "user", "content": q}]

@@ -52,7 +52,12 @@ GROUP_MIN = 64
 # A fresh prompt of at least FA_TILE tokens (ggml's tiled attention, engine.speculative) is
 # computed in chunks of at least FA_TILE, so every cell of it is tiled; a shorter one row by row,
 # as replies are. Reused prompt cells must have been computed the way a fresh prompt's would be,
-# or the reply depends on what the cache held (`_reuse`).
+# or the reply depends on what the cache held (`_reuse`). A long prompt's last turn is the
+# exception: from the first turn boundary (a control token, `row_tail_start`) in its last
+# MAX_ROW_TAIL tokens it is computed row by row, fresh or not, so a cached prefix up to that
+# boundary (a shared system prompt, an earlier turn) is reused as it is and only the last turn is
+# decoded, where keeping it tiled re-decoded FA_TILE tokens (4x the turn, on RAG's shape).
+MAX_ROW_TAIL = 48
 
 
 @dataclass
@@ -81,6 +86,7 @@ class Sequence:
     rows: list[int] = field(default_factory=list)  # their output rows, `last`'s first
     # a verify step being sampled: (drafted tokens accepted so far, its seconds); None otherwise
     verifying: Optional[tuple[int, float]] = None
+    tail: int = 0  # prompt cells from here on are computed row by row (row_tail_start)
     leader: Optional[Sequence] = None  # a sequence computing a prefix this one waits to copy
     wait_for: int = 0  # the leader's prompt tokens that must be in its cache first
 
@@ -104,6 +110,20 @@ def open_parallel_context(rt: Any, n_seq: int) -> None:
     params.kv_unified = False
     llm._ctx = _internals.LlamaContext(model=llm._model, params=params, verbose=False)
     rt._kv = []
+
+
+def row_tail_start(vocab: Any, prompt: list[int]) -> int:
+    """Where the row-by-row part of a prompt starts: 0 for a short prompt (all of it), else just after
+    the earliest control token (a chat template's turn marker) in its last MAX_ROW_TAIL tokens, with
+    at least FA_TILE tiled cells before it and two after it; the prompt's length when there is none
+    (all of it tiled). A function of the prompt alone: a fresh prompt and a reused one agree."""
+    n = len(prompt)
+    if n < FA_TILE:
+        return 0
+    for p in range(max(FA_TILE, n - MAX_ROW_TAIL), n - 1):
+        if llama_cpp.llama_vocab_is_control(vocab, prompt[p - 1]):
+            return p
+    return n
 
 
 class BatchEngine:
@@ -197,10 +217,17 @@ class BatchEngine:
                 n = usable(i)
                 if n > best:
                     src, best = i, n
-        # The last prompt token is decoded again for its logits, in a tail of at least FA_TILE tokens
-        # when the prompt is tiled (the same path as fresh), else with one more so that the piece is
-        # never a single token (see `step`).
-        keep = max(0, min(best, len(prompt) - (FA_TILE if tiled else 2)))
+        # The last prompt token is decoded again for its logits: a short prompt's with one more, so that
+        # the piece is never a single token (see `step`); a long one's row-by-row last turn whole, or,
+        # where the cache stops short of it (or there is none), a tiled tail of at least FA_TILE tokens.
+        seq.tail = row_tail_start(self.vocab, prompt)
+        if not tiled:
+            keep = min(best, len(prompt) - 2)
+        elif best >= seq.tail:
+            keep = min(seq.tail, len(prompt) - FA_TILE) if seq.tail == len(prompt) else seq.tail
+        else:
+            keep = min(best, seq.tail - FA_TILE)
+        keep = max(0, keep)
         if src == dst:
             llama_cpp.llama_memory_seq_rm(self.mem, dst, keep, -1)
         else:
@@ -281,11 +308,16 @@ class BatchEngine:
             if left <= 0 or self.slots[s.slot] is not s or (s.leader is not None and not self._follow(s)):
                 continue
             left = len(s.prompt) - s.n_done
-            # Chunks only matter while others generate; alone, a prompt takes the whole batch. None is
-            # left shorter than FA_TILE (or a single token), so a prompt's cells all take one path.
-            k = min(left, self.prompt_chunk if self.active() > 1 else self.batch.capacity)
-            if 0 < left - k < FA_TILE:
-                k = left if left <= self.batch.capacity else k - FA_TILE
+            # Chunks only matter while others generate; alone, a prompt takes the whole batch. No tiled
+            # chunk is left shorter than FA_TILE (nor a short prompt's piece a single token), and the
+            # row-by-row last turn is one piece, so every cell takes its path (`_reuse`).
+            if s.n_done >= s.tail > 0:
+                k = left
+            else:
+                upto = (s.tail or len(s.prompt)) - s.n_done
+                k = min(upto, self.prompt_chunk if self.active() > 1 else self.batch.capacity)
+                if 0 < upto - k < FA_TILE:
+                    k = upto if upto <= self.batch.capacity else k - FA_TILE
             start = s.n_done
 
             def fill(b: Batch, live: list[Sequence], s: Sequence = s, start: int = start, k: int = k) -> None:
