@@ -223,8 +223,8 @@ class BatchEngine:
         seq.tail = row_tail_start(self.vocab, prompt)
         if not tiled:
             keep = min(best, len(prompt) - 2)
-        elif best >= seq.tail:
-            keep = min(seq.tail, len(prompt) - FA_TILE) if seq.tail == len(prompt) else seq.tail
+        elif seq.tail <= best and seq.tail < len(prompt):
+            keep = seq.tail
         else:
             keep = min(best, seq.tail - FA_TILE)
         keep = max(0, keep)
