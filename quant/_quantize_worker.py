@@ -11,8 +11,8 @@ Protocol: argv[1] is the parent's pid. The parent starts the worker early
 one JSON object per line: {input, output, ftype, nthread, allow_requantize}
 and optionally imatrix (a GGUF imatrix file), imatrix_label (the file name
 recorded in the output, as llama-quantize records its --imatrix argument),
-tt_overrides ([[regex, ggml type id], ...]), rounding (quant._ggml's REFINED for
---budget and --recipe files; stock otherwise) and dry_run.
+tt_overrides ([[regex, ggml type id], ...]), rounding (quant.rounding's name of
+the refine level: --budget and --recipe files; stock otherwise) and dry_run.
 For each, on a private copy of stdout, the child writes one JSON object per
 line: {"log": text, "level": n} for every complete llama.cpp log line
 (captured with `llama_log_set`), then {"done": rc, "seconds": s}. It exits

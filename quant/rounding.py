@@ -11,12 +11,14 @@ from pathlib import Path
 
 from edgellm.errors import RuntimeFailure
 
-# How Q4_K and Q5_K blocks are rounded. STOCK is llama.cpp's own (what llama-quantize writes, and what every
-# stock level is byte-identical to); REFINED re-chooses each block's sub-block scales and mins and its F16
-# scales for the importance-weighted error (scripts/patches/ggml-quants-refine-k.patch): what --budget and
-# --recipe files use, reproduced by llama-quantize from the same tree with GGML_QUANT_REFINE=1.
-STOCK, REFINED = "", "refined-k1"
-ROUNDINGS = (STOCK, REFINED)
+# How K-quant and IQ4_XS blocks are rounded. STOCK is llama.cpp's own (what llama-quantize writes, and what
+# every stock level is byte-identical to). The refined ones re-choose each block's sub-block scales (and mins)
+# and its F16 scales for the importance-weighted error (scripts/patches/ggml-quants-refine-k.patch):
+# REFINED_K1 Q4_K and Q5_K among +-1 neighbours; REFINED (k2) Q5_K among +-2 and IQ4_XS too. Each is the
+# level of the patch's switch, and llama-quantize from the same tree reproduces a file with
+# GGML_QUANT_REFINE=<level>; a recipe names its rounding, so one made with k1 is still applied as k1.
+STOCK, REFINED_K1, REFINED = "", "refined-k1", "refined-k2"
+ROUNDINGS = (STOCK, REFINED_K1, REFINED)
 # what `--budget` measures with and writes its files in: its probes, its proxy errors and its file round alike
 BUDGET = REFINED
 _SONAME = "libggml-base.so.0"  # what libllama names in its DT_NEEDED (Linux)
@@ -41,8 +43,13 @@ def base_library() -> ctypes.CDLL:
     return ctypes.CDLL(found[0])
 
 
+def level(rounding: str) -> int:
+    """The patch's switch level for a rounding (GGML_QUANT_REFINE's value)."""
+    return ROUNDINGS.index(rounding)
+
+
 def set_rounding(lib: ctypes.CDLL, rounding: str) -> str:
-    """Make `lib`'s quantizer round Q4_K/Q5_K as `rounding` says (process-wide); returns the previous one."""
+    """Make `lib`'s quantizer round as `rounding` says (process-wide); returns the previous one."""
     if rounding not in ROUNDINGS:
         raise RuntimeFailure(f"unknown rounding {rounding!r}")
     try:
@@ -52,12 +59,12 @@ def set_rounding(lib: ctypes.CDLL, rounding: str) -> str:
             "this llama.cpp build lacks edgellm's refined K-quant rounding (scripts/patches); rerun scripts/setup.sh"
         ) from None
     fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
-    was = fn(1 if rounding == REFINED else 0)
-    return REFINED if was == 1 else STOCK
+    was = fn(level(rounding))
+    return ROUNDINGS[was] if 0 <= was < len(ROUNDINGS) else STOCK
 
 
 def describe(rounding: str) -> str:
     """One line for reports: which quantizer made the file's K-quant blocks."""
-    if rounding == REFINED:
-        return "edgellm's refined K-quant rounding (llama-quantize reproduces it with GGML_QUANT_REFINE=1)"
+    if rounding != STOCK:
+        return f"edgellm's refined rounding {rounding} (llama-quantize reproduces it with GGML_QUANT_REFINE={level(rounding)})"
     return "llama.cpp's own rounding"

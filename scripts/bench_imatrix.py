@@ -53,6 +53,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from quant import rounding  # noqa: E402  (a recipe's rounding -> llama-quantize's GGML_QUANT_REFINE)
+
 IMATRIX_LEVELS = ["q2_k", "q3_k_m", "iq4_xs", "q4_k_m"]
 BUDGET_LEVELS = ["q2_k", "q3_k_m", "q4_0", "q4_k_m"]
 GRIDLESS_LEVELS = ["q3_k_m", "q4_k_m", "q5_k_m", "iq4_xs"]
@@ -131,7 +134,7 @@ def recipe_speed(env: dict, base: str, f16_path: str, recipe: str, tools: Path, 
     t = str(args.threads)
     mine_s, ref_s, mine_call, mine_job, ref_call = [], [], [], [], []
     # the recipe's rounding (quant/rounding.py) on both sides: the same work, and the same bytes
-    ref_env = dict(env, GGML_QUANT_REFINE="1" if json.loads(Path(recipe).read_text()).get("rounding") else "0")
+    ref_env = dict(env, GGML_QUANT_REFINE=str(rounding.level(json.loads(Path(recipe).read_text()).get("rounding", ""))))
     for i in range(args.runs):
         for which in [0, 1] if i % 2 == 0 else [1, 0]:
             t0 = time.perf_counter()

@@ -54,6 +54,8 @@ import load_test_server as lts  # noqa: E402  (its servers and its client load)
 from _bench_common import Sampler, measured, median_of  # noqa: E402
 from bench_imatrix import sha, tools_dir  # noqa: E402
 
+from quant import rounding  # noqa: E402  (a recipe's rounding -> llama-quantize's GGML_QUANT_REFINE)
+
 JOBS = ["function", "imatrix", "q4_k_m", "q8_0", "budget", "recipe", "eval", "bench", "chat", "serve", "ram"]
 SPEED_JOBS = {"q4_k_m", "q8_0", "recipe", "bench", "chat"}  # the rows with a speed goal: --runs interleaved runs
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a CPU does."]
@@ -572,7 +574,7 @@ def recipe_pair(b: Bench, f: int):
     if not recipe:
         raise JobError("no recipe: run the budget job first (--only budget,recipe)")
     # the recipe's rounding (quant/rounding.py) on both sides: the same work, and the same bytes
-    refine = "1" if json.loads(Path(recipe).read_text())["rounding"] else "0"
+    refine = str(rounding.level(json.loads(Path(recipe).read_text())["rounding"]))
     return quantize_pair(
         b,
         f,

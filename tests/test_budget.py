@@ -128,15 +128,16 @@ def test_a_cached_probe_takes_this_runs_proxy_error():
     assert now[("ffn_down/2-10", "IQ3_S")] == cached[("ffn_down/2-10", "IQ3_S")]  # not a candidate now: as cached
 
 
-def test_refined_rounding_lowers_the_weighted_error_of_q4_k_and_q5_k_only():
-    """The rounding --budget files use (scripts/patches/ggml-quants-refine-k.patch), through llama.cpp's own
-    quantizer: on bell-shaped rows with uneven importance, less weighted error than llama.cpp's own Q4_K/Q5_K
-    blocks (docs/quantize.md measures 3-7% and 6-18% on model rows); other types and the stock rounding as before."""
+def test_refined_rounding_lowers_the_weighted_error_of_its_types_only():
+    """The roundings --budget files use (scripts/patches/ggml-quants-refine-k.patch), through llama.cpp's own
+    quantizer: on bell-shaped rows with uneven importance, less weighted error than llama.cpp's own blocks
+    (docs/quantize.md measures them on model rows). k1 re-chooses Q4_K and Q5_K; k2 is k1 with Q5_K looked at
+    further out and IQ4_XS too; other types, and the stock rounding, as before."""
     import numpy as np
 
     from quant._ggml import ggml
     from quant.recipe import TYPES
-    from quant.rounding import REFINED, STOCK
+    from quant.rounding import REFINED, REFINED_K1, STOCK
 
     rng = np.random.default_rng(0)
     rows = np.ascontiguousarray(rng.laplace(0, 0.02, (64, 1536)) * rng.uniform(0.5, 2.0, (64, 1)), np.float32)
@@ -151,13 +152,21 @@ def test_refined_rounding_lowers_the_weighted_error_of_q4_k_and_q5_k_only():
         assert np.isfinite(back).all()
         return float((np.square(rows - back, dtype=np.float64) * imp).sum()), q.tobytes()
 
-    stock = {t: err(t, STOCK) for t in ("Q4_K", "Q5_K", "Q6_K", "Q8_0")}
-    refined = {t: err(t, REFINED) for t in stock}
-    assert refined["Q4_K"][0] < 0.985 * stock["Q4_K"][0], (refined["Q4_K"][0], stock["Q4_K"][0])
-    assert refined["Q5_K"][0] < 0.96 * stock["Q5_K"][0], (refined["Q5_K"][0], stock["Q5_K"][0])
-    assert refined["Q6_K"][1] == stock["Q6_K"][1] and refined["Q8_0"][1] == stock["Q8_0"][1]
+    kinds = ("Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q8_0")
+    stock = {t: err(t, STOCK) for t in kinds}
+    k1 = {t: err(t, REFINED_K1) for t in kinds}
+    k2 = {t: err(t, REFINED) for t in kinds}
+    assert k1["Q4_K"][0] < 0.985 * stock["Q4_K"][0], (k1["Q4_K"][0], stock["Q4_K"][0])
+    assert k1["Q5_K"][0] < 0.96 * stock["Q5_K"][0], (k1["Q5_K"][0], stock["Q5_K"][0])
+    assert k2["Q5_K"][0] < 0.99 * k1["Q5_K"][0], (k2["Q5_K"][0], k1["Q5_K"][0])
+    assert k2["IQ4_XS"][0] < 0.99 * stock["IQ4_XS"][0], (k2["IQ4_XS"][0], stock["IQ4_XS"][0])
+    assert k2["Q4_K"][1] == k1["Q4_K"][1]  # k2 leaves Q4_K as k1 rounds it
+    assert k1["IQ4_XS"][1] == stock["IQ4_XS"][1]  # and k1 is what it was: its recipes still reproduce
+    for t in ("Q6_K", "Q8_0"):
+        assert k1[t][1] == stock[t][1] == k2[t][1]
     assert err("Q4_K", STOCK)[1] == stock["Q4_K"][1]  # the switch went back off
     # without an importance matrix llama.cpp rounds by another path, which the switch leaves alone
-    with g.rounding(REFINED):
-        plain = g.quantize(TYPES["Q4_K"][0], rows, None)
-    assert plain.tobytes() == g.quantize(TYPES["Q4_K"][0], rows, None).tobytes()
+    for t in ("Q4_K", "IQ4_XS"):
+        with g.rounding(REFINED):
+            plain = g.quantize(TYPES[t][0], rows, None)
+        assert plain.tobytes() == g.quantize(TYPES[t][0], rows, None).tobytes()

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from quant import rounding
 from support.eval_reports import eval_report, level_eval
 from support.helpers import assert_one_line_error, run_ok, start_cli, store_snapshot
 from support.quant_fixtures import F16_NAME, f16_model, f16_session  # noqa: F401 (fixtures)
@@ -185,10 +187,9 @@ def test_level_needing_imatrix_says_how(cli, f16_model, edgellm_home):
 
 
 def test_imatrix_of_another_model_is_refused(cli, f16_model, session_imatrix, edgellm_home, tmp_path):
-    from support.gguf_files import write_tiny_llama
-
     from quant.imatrix import compute_imatrix
     from quant.imatrix_file import IMatrix, encode, read_imatrix
+    from support.gguf_files import write_tiny_llama
 
     tiny = write_tiny_llama(tmp_path / "tiny.gguf")
     other = compute_imatrix(tiny, ctx=64, chunks=2, name="tiny-imatrix", threads=2).path
@@ -381,11 +382,11 @@ def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(
     assert again.json()[0]["sha256"] == out["sha256"]
     # ... and so does llama-quantize with the recipe's --tensor-type-file twin and the refined rounding, which
     # makes a difference: the recipe has K-quant matrices (ffn_down, 1,536 wide) whose blocks it rounds anew
-    assert recipe["rounding"] == out["rounding"] == "refined-k1"
+    assert recipe["rounding"] == out["rounding"] == rounding.BUDGET
     assert {"Q4_K", "Q5_K"} & set(out["tensor_types"]), out["tensor_types"]
     types = Path(out["recipe_file"]).with_suffix(".txt")
     shas = {}
-    for refine in ("1", "0"):
+    for refine in (str(rounding.level(rounding.BUDGET)), "0"):
         ref = tmp_path / f"ref-{refine}.gguf"
         run_ok(
             llama_tools / "llama-quantize",
@@ -401,7 +402,7 @@ def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(
             timeout=900,
         )
         shas[refine] = _sha(ref)
-    assert shas["1"] == out["sha256"] and shas["0"] != out["sha256"]
+    assert shas[str(rounding.level(rounding.BUDGET))] == out["sha256"] and shas["0"] != out["sha256"]
 
 
 def _check_measured_gains(recipe: dict, f16_path: Path, imatrix: Path) -> None:
