@@ -67,7 +67,7 @@ class TensorOverrides:
     pairs: list[tuple[str, int]]  # (regex over tensor names, ggml type id), first match wins
     lineage: dict[str, Any]  # the recipe's file, budget, ... as the store record keeps it
     label: str  # names the output in place of the level: `<base>-budget-90mb`
-    rounding: str = STOCK  # how K-quant blocks are rounded (quant.rounding.BUDGET for --budget files, a recipe's own for --recipe)
+    rounding: str = STOCK  # how blocks are rounded (quant.rounding: BUDGET for --budget, a recipe's own for --recipe)
 
 
 # long: the public entry point: its keyword arguments are the API (15 lines), then workers set up and always closed
