@@ -18,6 +18,9 @@ from quant._ggml import Tensor as _Tensor
 from quant.imatrix_file import Entry, IMatrix
 
 _MIN_ROWS = 16  # llama-imatrix ignores smaller batches
+# the output layer's matrix: a model with tied embeddings multiplies by token_embd (its only matmul: the
+# embedding itself is a row lookup), and llama-quantize looks the entry up under that name
+OUTPUT_NAMES = ("output.weight", "token_embd.weight")
 
 
 def _weight_name(raw: bytes) -> str:
@@ -61,7 +64,8 @@ class Collector:
         if src1.ne[1] < _MIN_ROWS or src1.type != 0:
             return False
         name = _weight_name(src0.name)
-        return name.startswith("blk.") or (self.process_output and name == "output.weight")
+        # llama-imatrix's --process-output takes output.weight only, so a tied model's output got no entry
+        return name.startswith("blk.") or (self.process_output and name in OUTPUT_NAMES)
 
     def _view(self, x: _Tensor, x_ptr: int, dtype: Any, keep: list) -> np.ndarray:
         """x's data as a (ne3, ne2, ne1, ne0) array, copied to host memory first when it lives elsewhere."""

@@ -8,9 +8,10 @@ matrix: sum over columns of E[x_c^2] * sum over rows of (w - q(w))^2 -- the
 expected squared error that tensor adds to its matmul's output on the
 calibration text. The importance matrix comes from the calibration text (the
 shipped one unless `--imatrix` names another), never from an evaluation text.
-The tied/untied output matrix, which no imatrix entry covers, is weighted
-with the mean importance of the layers' attention inputs (its own input is the
-same normed hidden state).
+A matrix without an importance entry (token_embd as an embedding; the output
+layer in a matrix from llama-imatrix, which leaves it out, where `edgellm
+imatrix` gives it one) is weighted with the mean importance of the layers'
+attention inputs (the output layer's own input is the same normed hidden state).
 
 That proxy ranks matrices of one kind at one depth, but not kinds or depths
 against each other (a unit of error in the first layers' attn_v moves the
@@ -198,7 +199,7 @@ def smallest_bytes(model_path: Path, types: Sequence[str]) -> int:
             t.shape[1] * g.row_size(TYPES[n][0], t.shape[0])
             for n in types
             if len(t.shape) == 2
-            and (n not in NEEDS_IMATRIX or t.name.startswith("blk."))  # no entry for token_embd/output
+            and (n not in NEEDS_IMATRIX or t.name.startswith("blk."))  # output: IQ2_S only with its entry, not known here
             and t.name.endswith(".weight")
             and t.type_name in ("F16", "F32")
             and t.shape[0] % TYPES[n][1] == 0

@@ -74,16 +74,17 @@ def test_imatrix_cli_stores_with_lineage(cli, f16_model, edgellm_home):
     assert rec["model_sha256"] == f16_model.sha256
     assert rec["text"] == "edgellm-calibration.txt" and len(rec["text_sha256"]) == 64
     assert rec["chunks"] == 1 and rec["ctx"] == 512 and rec["tokens"] == 512 and rec["text_tokens"] > 5000
-    # SmolLM2-135M: 30 layers x (q, k, v, o, gate, up, down); embeddings and the tied output are not in it
-    assert rec["entries"] == 210
+    # SmolLM2-135M: 30 layers x (q, k, v, o, gate, up, down), and the output layer, tied: token_embd
+    assert rec["entries"] == 211 and rec["output"] is True
     m = read_imatrix(rec["file"])
-    assert len(m.entries) == 210 and m.chunk_count == 1 and m.chunk_size == 512
+    assert len(m.entries) == 211 and m.chunk_count == 1 and m.chunk_size == 512
     assert m.datasets == ["edgellm-calibration.txt"]
     for name, e in m.entries.items():
         assert e.counts.tolist() == [512], name
         assert (e.sums > 0).all() and np.isfinite(e.sums).all()
     assert m.entries["blk.0.ffn_down.weight"].sums.shape == (1, 1536)
     assert m.entries["blk.0.attn_q.weight"].sums.shape == (1, 576)
+    assert m.entries["token_embd.weight"].sums.shape == (1, 576)  # the output layer's input: the last hidden state
     # the lineage file beside it, and --list
     side = json.loads(Path(rec["file"]).with_suffix(".json").read_text())
     assert side["text_sha256"] == rec["text_sha256"]
@@ -94,6 +95,11 @@ def test_imatrix_cli_stores_with_lineage(cli, f16_model, edgellm_home):
     again = cli("imatrix", F16_NAME, "--chunks", "1")
     assert_one_line_error(again)
     assert "already exists" in again.stderr
+    # llama-imatrix's default entries, exactly: no output layer
+    plain = cli("imatrix", F16_NAME, "--chunks", "1", "--threads", "2", "--no-process-output", "--name", "plain", "--json")
+    assert plain.exit_code == 0, plain
+    assert plain.json()["entries"] == 210 and plain.json()["output"] is False
+    assert "token_embd.weight" not in read_imatrix(plain.json()["file"]).entries
 
 
 def test_imatrix_cli_delete_removes_both_files(cli, f16_model, edgellm_home):
@@ -112,11 +118,12 @@ def test_imatrix_cli_delete_removes_both_files(cli, f16_model, edgellm_home):
 
 
 def test_matches_llama_imatrix(session_imatrix, reference_imatrix):
-    """Same sums and counts as llama-imatrix built from the same tree (per tensor, relative <= 1e-4)."""
+    """Same sums and counts as llama-imatrix built from the same tree (per tensor, relative <= 1e-4); the
+    output layer's entry is ours alone (llama-imatrix never collects a tied output)."""
     from quant.imatrix_file import read_imatrix
 
     mine, ref = read_imatrix(session_imatrix), read_imatrix(reference_imatrix)
-    assert sorted(mine.entries) == sorted(ref.entries) and len(ref.entries) == 210
+    assert sorted(mine.entries) == sorted([*ref.entries, "token_embd.weight"]) and len(ref.entries) == 210
     assert (mine.chunk_count, mine.chunk_size) == (ref.chunk_count, ref.chunk_size) == (CHUNKS, 512)
     worst = 0.0
     for name, r in ref.entries.items():
@@ -158,6 +165,32 @@ def test_quant_with_imatrix_is_byte_identical_to_llama_quantize(
     assert d["imatrix"]["chunks_count"] == CHUNKS and d["imatrix_lineage"]["sha256"] == _sha(reference_imatrix)
 
 
+def test_the_output_entry_reaches_llama_quantize(f16_path, session_imatrix, reference_imatrix, llama_tools, tmp_path):
+    """The tied output's entry (ours alone) is read by llama-quantize: the token_embd it rounds to Q5_1 differs
+    from the one rounded with llama-imatrix's file, and has the lower error weighted by that entry."""
+    import gguf
+
+    from quant._ggml import ggml
+    from quant.imatrix_file import read_imatrix
+    from quant.recipe import TYPES
+
+    w = read_imatrix(session_imatrix).entries["token_embd.weight"].normalized().astype(np.float64)[0]
+    x = np.asarray(next(t for t in gguf.GGUFReader(f16_path).tensors if t.name == "token_embd.weight").data, np.float64)
+    g, q5_1 = ggml(), TYPES["Q5_1"][0]
+    err, raw = {}, {}
+    for label, im in (("ours", session_imatrix), ("llama", reference_imatrix)):
+        out = tmp_path / f"{label}.gguf"
+        run_ok(llama_tools / "llama-quantize", "--imatrix", im, "--token-embedding-type", "q5_1", f16_path, out, "Q8_0", "2")
+        t = next(t for t in gguf.GGUFReader(out).tensors if t.name == "token_embd.weight")
+        assert t.tensor_type.name == "Q5_1"
+        raw[label] = np.asarray(t.data).tobytes()
+        q = g.to_float(q5_1, np.frombuffer(raw[label], np.uint8), x.shape).astype(np.float64)
+        err[label] = float((w * (q - x) ** 2).sum())
+    assert raw["ours"] != raw["llama"]
+    print(f"tied output in Q5_1, error weighted by its entry: {err['ours']:.4g} with it, {err['llama']:.4g} without")
+    assert err["ours"] < 0.95 * err["llama"], err  # 0.906x on this base
+
+
 def test_imatrix_changes_the_quant(cli, f16_model, session_imatrix):
     """With a matrix, a level's weights differ from the stock quant: the matrix reaches llama.cpp."""
     res = cli("quantize", F16_NAME, "-l", "q4_0", "--threads", "2", "--json")
@@ -193,6 +226,11 @@ def test_imatrix_of_another_model_is_refused(cli, f16_model, session_imatrix, ed
 
     tiny = write_tiny_llama(tmp_path / "tiny.gguf")
     other = compute_imatrix(tiny, ctx=64, chunks=2, name="tiny-imatrix", threads=2).path
+    err = _refused(cli, edgellm_home, "quantize", F16_NAME, "-l", "q4_k_m", "--imatrix", str(other))
+    # the tiny model's output is its own output.weight, a weight the tied default model lacks
+    assert "was not made for" in err and "output.weight" in err
+    # without it, the widths differ
+    other = compute_imatrix(tiny, ctx=64, chunks=2, name="tiny-blk-imatrix", threads=2, output=False).path
     err = _refused(cli, edgellm_home, "quantize", F16_NAME, "-l", "q4_k_m", "--imatrix", str(other))
     assert "was not made for" in err and "256" in err and "576" in err
     # same widths, other names (e.g. another architecture's tensor names)

@@ -196,12 +196,18 @@ def convert_cmd(model, to, output, name, force, as_json, no_progress) -> None:
 @click.option("--chunks", type=int, help="Chunks to evaluate (default: all the text holds).")
 @click.option("--name", help="Store name (default: <model>-imatrix).")
 @click.option("--threads", type=int, help="Threads for llama.cpp (default: physical cores).")
+@click.option(
+    "--process-output/--no-process-output",
+    default=True,
+    show_default=True,
+    help="Give the output layer (a tied one too) an entry; off: llama-imatrix's default file exactly.",
+)
 @click.option("--force", is_flag=True, help="Replace a stored matrix of the same name.")
 @click.option("--list", "list_", is_flag=True, help="List the stored importance matrices.")
 @click.option("--delete", "delete", metavar="NAME", help="Delete a stored importance matrix (its .gguf and .json).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def imatrix_cmd(model, text, ctx, chunks, name, threads, force, list_, delete, as_json, no_progress) -> None:
+def imatrix_cmd(model, text, ctx, chunks, name, threads, process_output, force, list_, delete, as_json, no_progress) -> None:
     """Compute MODEL's importance matrix, as llama-imatrix does, and store it.
 
     The matrix (mean squared activation entering each weight matrix) lets
@@ -239,7 +245,16 @@ def imatrix_cmd(model, text, ctx, chunks, name, threads, force, list_, delete, a
         raise UsageError("give a MODEL (store name or GGUF path), or --list or --delete NAME")
     with running_job(not no_progress and not as_json) as (bar, token):
         rec = compute_imatrix(
-            model, text=text, ctx=ctx, chunks=chunks, name=name, force=force, threads=threads, on_progress=bar, cancel=token
+            model,
+            text=text,
+            ctx=ctx,
+            chunks=chunks,
+            name=name,
+            force=force,
+            threads=threads,
+            output=process_output,
+            on_progress=bar,
+            cancel=token,
         )
     if as_json:
         emit_json(rec.to_json())
