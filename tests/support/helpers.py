@@ -115,6 +115,13 @@ def assert_refused(cli, home: Path, *args, says: str | list[str]) -> CliResult:
     return res
 
 
+def refused(cli, home: Path, *args) -> str:
+    """assert_refused, and no `.partial` file left anywhere under `home`: the error, for the caller's checks."""
+    res = assert_refused(cli, home, *args, says=[])
+    assert not list(home.rglob("*.partial"))
+    return res.stderr
+
+
 class CancelAfter:
     """An `on_progress` that records each event's `done` and cancels `token` once
     `done` reaches `n`: a job stopped part-way, at a point the test knows."""

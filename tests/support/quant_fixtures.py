@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from support.helpers import DEFAULT_NAME, DEFAULT_REF
+from support.helpers import DEFAULT_NAME, DEFAULT_REF, run_ok
 
 F16_NAME = f"{DEFAULT_REF}-f16"
+IMATRIX_CHUNKS = 2  # the session's matrices: short, and still every entry llama-imatrix writes
 # A module that imports these fixtures by name gets its own copy of the session
 # fixture: the memo keeps that to one conversion per session all the same.
 _cache: dict[str, object] = {}
@@ -74,3 +75,34 @@ def wait_for_partial(folder: Path, proc: subprocess.Popen, *, min_bytes: int = 1
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     raise AssertionError("no partial file appeared")
+
+
+@pytest.fixture(scope="session")
+def f16_path(f16_session) -> Path:
+    return Path(f16_session[0].path)
+
+
+@pytest.fixture(scope="session")
+def session_imatrix(f16_path, tmp_path_factory) -> Path:
+    """edgellm's matrix of the F16 on the shipped text, IMATRIX_CHUNKS x 512, computed once."""
+    if "imatrix" not in _cache:
+        from quant.imatrix import compute_imatrix
+
+        home = tmp_path_factory.mktemp("imatrix-home")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("EDGELLM_HOME", str(home))
+            rec = compute_imatrix(f16_path, chunks=IMATRIX_CHUNKS, threads=2)
+        _cache["imatrix"] = rec.path
+    return _cache["imatrix"]  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="session")
+def reference_imatrix(f16_path, llama_tools, tmp_path_factory) -> Path:
+    """llama-imatrix of the same tree, same file, text, ctx and chunks."""
+    from quant.imatrix import calibration_path
+
+    out = tmp_path_factory.mktemp("llama-imatrix") / "ref.gguf"
+    # session_imatrix's text, ctx, chunks and threads
+    as_ours = ["-f", calibration_path(), "-c", "512", "--chunks", IMATRIX_CHUNKS, "-t", "2"]
+    run_ok(llama_tools / "llama-imatrix", "-m", f16_path, *as_ours, "--no-ppl", "-o", out)
+    return out
