@@ -111,6 +111,23 @@ def test_a_blown_up_row_counts_at_most_row_cap_medians():
     assert proxy_error(np.zeros(256), 256) == 0.0
 
 
+def test_a_probe_rounds_its_rows_on_every_thread_alike():
+    """A probe's rounding is split over the threads in near-equal row ranges: fixed 2,048-row steps left
+    a 2,304-row matrix to one thread for 8/9 of its rows and a 768-row one to one thread entirely."""
+    from quant.sensitivity import _ROWS_PER_STEP, row_spans
+
+    for rows in (1, 3, 768, 2304, 6144, 49152):
+        for threads in (1, 2, 3, 16):
+            spans = row_spans(rows, threads)
+            assert spans[0][0] == 0 and spans[-1][1] == rows
+            assert all(a[1] == b[0] for a, b in zip(spans[:-1], spans[1:], strict=True))  # contiguous, each row once
+            sizes = [b - a for a, b in spans]
+            assert max(sizes) <= _ROWS_PER_STEP and max(sizes) - min(sizes) <= 1
+            assert len(spans) % threads == 0 or len(spans) == rows  # every thread gets as many ranges
+    assert row_spans(2304, 2) == [(0, 1152), (1152, 2304)]
+    assert len(row_spans(768, 2)) == 2
+
+
 def test_a_cached_probe_takes_this_runs_proxy_error():
     from quant.allocate import Matrix
     from quant.budget import with_current_errors
