@@ -434,6 +434,7 @@ def quantize_to_budget(
     store: Optional[Store] = None,
     on_progress: Optional[ProgressCallback] = None,
     cancel: Optional[CancelToken] = None,
+    feedback: bool = False,
 ) -> tuple[QuantizeResult, Recipe]:
     """`--budget SIZE`: search the per-tensor types, save them as a recipe, quantize with them.
 
@@ -452,8 +453,9 @@ def quantize_to_budget(
     # an imatrix first: the search measures with it and the quantization uses it
     choice = job.imatrix(imatrix or "auto")
     recipe = plan(job.src, choice, b, exclude=exclude, cancel=cancel, on_progress=on_progress, threads=threads)
-    recipe.model, recipe.imatrix = resolved.label, choice.lineage()
-    label = "budget-" + re.sub(r"[^a-z0-9.]", "", budget.lower())
+    recipe.model, recipe.imatrix, recipe.feedback = resolved.label, choice.lineage(), feedback
+    rewrite = job.feedback(recipe, choice) if feedback else None
+    label = "budget-" + re.sub(r"[^a-z0-9.]", "", budget.lower()) + ("-fb" if feedback else "")
     jpath = recipes_folder() / f"{base_name(resolved, info)}-{label}.json"
     recipe.file = str(jpath)
     atomic_write_text(jpath, json.dumps(recipe.to_json(), indent=1) + "\n")
@@ -468,7 +470,7 @@ def quantize_to_budget(
         "search_seconds": recipe.search_seconds,
     }
     try:
-        res = replace(job, on_progress=staged(on_progress, STAGES, "quantize")).quantize(recipe, lineage, label, choice)
+        res = replace(job, on_progress=staged(on_progress, STAGES, "quantize")).quantize(recipe, lineage, label, choice, rewrite)
     except BaseException:
         for p in written:
             p.unlink(missing_ok=True)

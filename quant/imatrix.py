@@ -204,9 +204,18 @@ class _Runner(LogitsRunner):
     """The model, a context whose cb_eval is a Collector, and llama-imatrix's chunk loop."""
 
     def __init__(
-        self, path: Path, *, ctx: int, batch: int, threads: Optional[int], output: bool, cancel: Optional[CancelToken] = None
+        self,
+        path: Path,
+        *,
+        ctx: int,
+        batch: int,
+        threads: Optional[int],
+        output: bool,
+        cancel: Optional[CancelToken] = None,
+        collector: Optional[Collector] = None,
     ) -> None:
-        self.collector = Collector(chunk_size=ctx, process_output=output)
+        # quant/feedback.py hands in its own (a covariance instead of the diagonal)
+        self.collector = collector or Collector(chunk_size=ctx, process_output=output)
         self.cancel = cancel
         n_seq = max(1, batch // ctx)
         super().__init__(path, n_ctx=ctx, n_seq=n_seq, n_batch=min(batch, n_seq * ctx), threads=threads)

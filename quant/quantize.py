@@ -35,7 +35,7 @@ import logging
 import queue
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +68,8 @@ class TensorOverrides:
     lineage: dict[str, Any]  # the recipe's file, budget, ... as the store record keeps it
     label: str  # names the output in place of the level: `<base>-budget-90mb`
     rounding: str = STOCK  # how blocks are rounded (quant.rounding: BUDGET for --budget, a recipe's own for --recipe)
+    # run on the finished temp file before it is validated and renamed (quant/feedback.py's error feedback)
+    rewrite: Optional[Callable[[Path], None]] = None
 
 
 # long: the public entry point: its keyword arguments are the API (15 lines), then workers set up and always closed
@@ -353,7 +355,8 @@ def _run_levels(
                     raise llama_failure(job, worker, resolved.label)
                 del active[worker]
                 finishing[job.index] = finisher.submit(
-                    finish,
+                    _rewrite_then_finish,
+                    overrides.rewrite if overrides else None,
                     job,
                     resolved=resolved,
                     info=info,
@@ -381,6 +384,16 @@ def _run_levels(
     finisher.shutdown(wait=True)
     on_progress(Progress(task, total, total, "tensor", message="done"))
     return results
+
+
+def _rewrite_then_finish(rewrite: Optional[Callable[[Path], None]], job: Job, **kw: Any) -> QuantizeResult:
+    if rewrite is not None:
+        try:
+            rewrite(job.tmp)
+        except BaseException:
+            job.tmp.unlink(missing_ok=True)
+            raise
+    return finish(job, **kw)
 
 
 def _cost(lv: Level) -> float:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -66,6 +66,8 @@ class Recipe:
     model: Optional[str] = None
     imatrix: Optional[dict[str, Any]] = None  # ImatrixChoice.lineage()
     rounding: str = STOCK  # how its K-quant blocks are rounded (quant/rounding.py); recipes before it: stock
+    feedback: bool = False  # its file's plain-scale matrices rounded with error feedback (quant/feedback.py)
+    feedback_seconds: dict[str, float] = field(default_factory=dict)  # "inputs" (the pass), "rewrite"
     file: str = ""  # where it is saved
 
     def to_json(self) -> dict[str, Any]:
@@ -214,7 +216,8 @@ def apply_recipe(
             f"the recipe uses {', '.join(needy)}, which llama.cpp quantizes only with an importance matrix: "
             "add --imatrix auto (or the matrix the recipe names)"
         )
-    return job.quantize(recipe, lineage, label, choice), recipe
+    rewrite = job.feedback(recipe, choice) if recipe.feedback else None
+    return job.quantize(recipe, lineage, label, choice, rewrite), recipe
 
 
 @dataclass(frozen=True)
@@ -235,7 +238,26 @@ class RecipeJob:
 
         return choose_imatrix(ref, self.src.resolved, store=self.store, on_progress=self.on_progress, cancel=self.cancel)
 
-    def quantize(self, recipe: Recipe, lineage: dict[str, Any], label: str, imatrix: Optional[ImatrixChoice]) -> QuantizeResult:
+    def feedback(self, recipe: Recipe, imatrix: Optional[ImatrixChoice]) -> Callable[[Path], None]:
+        """The error-feedback rewrite for this recipe's file (its inputs measured now); it needs the matrix."""
+        from quant.feedback import prepare  # numpy and the calibration pass: only with feedback
+
+        if imatrix is None:
+            raise UsageError("the recipe was made with error feedback, which rounds with an importance matrix: add --imatrix")
+        rewrite, recipe.feedback_seconds = prepare(
+            self.src.path, recipe.tensor_types, imatrix.path, recipe.rounding,
+            threads=self.threads, on_progress=self.on_progress, cancel=self.cancel,
+        )  # fmt: skip
+        return rewrite
+
+    def quantize(
+        self,
+        recipe: Recipe,
+        lineage: dict[str, Any],
+        label: str,
+        imatrix: Optional[ImatrixChoice],
+        rewrite: Optional[Callable[[Path], None]] = None,
+    ) -> QuantizeResult:
         """One file with the recipe's per-tensor types: what `--recipe` and `--budget` both end in."""
         return quantize(
             self.src,
@@ -244,7 +266,7 @@ class RecipeJob:
             threads=self.threads,
             force=self.force,
             imatrix=imatrix,
-            overrides=TensorOverrides(recipe.overrides(), lineage, label, recipe.rounding),
+            overrides=TensorOverrides(recipe.overrides(), lineage, label, recipe.rounding, rewrite),
             store=self.store,
             on_progress=self.on_progress,
             cancel=self.cancel,

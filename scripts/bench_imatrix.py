@@ -247,12 +247,30 @@ def gridless_figures(env: dict, q4_1_path: str, factor: int, tools: Path, work: 
             probes_cached=json.loads(Path(r["recipe_file"]).read_text())["calibration"].get("probes_cached", 0),
         )
         print(f"x{factor} {lv}: searched in {r['search_seconds']:.0f} s, quantized in {r['quantize_seconds']:.0f} s", flush=True)
+        if args.error_feedback:
+            # the same search (its probes are cached now) and the same types, then error feedback (quant/feedback.py)
+            f = quantize(env, name, t, "--budget", str(size), "--imatrix", im, "--force", "--error-feedback")[0]
+            fig["levels"][lv].update(fb_name=f["name"], fb_size_bytes=f["size_bytes"], feedback_seconds=f["feedback_seconds"])
+            print(f"x{factor} {lv}: with error feedback, {f['feedback_seconds']}", flush=True)
     # one eval for every file: the base's log-probs are computed once, not once per level
-    k = kld(env, name, [n for lv in levels for n in (fig["levels"][lv]["budget_name"], refs[lv])], args)
+    names = [n for lv in levels for n in (fig["levels"][lv]["budget_name"], refs[lv], fig["levels"][lv].get("fb_name"))]
+    k = kld(env, name, [n for n in names if n], args)
     for lv in levels:
         row = fig["levels"][lv]
         row.update(budget_kld=k[row["budget_name"]]["kld_mean"], imatrix_kld=k[refs[lv]]["kld_mean"])
         row["ratio"] = row["budget_kld"] / row["imatrix_kld"]
+        if "fb_name" in row:
+            row["fb_kld"] = k[row["fb_name"]]["kld_mean"]
+            row["fb_ratio"] = row["fb_kld"] / row["imatrix_kld"]
+            fs = row["feedback_seconds"]
+            row["fb_search_vs_q4_k_m_quantize"] = (row["search_seconds"] + fs["inputs"] + fs["rewrite"]) / fig["levels"][
+                "q4_k_m"
+            ]["llama_quantize_s"]
+            print(
+                f"x{factor} {lv}: with error feedback KLD {row['fb_kld']:.5f} ({row['fb_ratio']:.3f}x imatrix); search "
+                f"+ feedback {row['fb_search_vs_q4_k_m_quantize']:.1f}x llama-quantize Q4_K_M",
+                flush=True,
+            )
         row["search_vs_q4_k_m_quantize"] = row["search_seconds"] / fig["levels"]["q4_k_m"]["llama_quantize_s"]
         row["extra_disk_vs_q8_0"] = row["extra_disk_bytes"] / fig["q8_0_bytes"]
         print(
@@ -284,6 +302,11 @@ def main() -> int:
         "--levels",
         default=",".join(GRIDLESS_LEVELS),
         help="with --gridless: the stock levels to compare at (default: the four the issue names)",
+    )
+    ap.add_argument(
+        "--error-feedback",
+        action="store_true",
+        help="with --gridless: also each --budget file with --error-feedback (same types), evaluated beside it",
     )
     ap.add_argument(
         "--work",

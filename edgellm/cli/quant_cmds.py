@@ -54,6 +54,12 @@ _force_option = click.option("--force", is_flag=True, help="Replace an existing 
 )
 @click.option("--exclude-types", default="", metavar="LIST", help="Types --budget may not use (comma-separated, e.g. q4_1).")
 @click.option(
+    "--error-feedback",
+    is_flag=True,
+    help="With --budget: round the matrices it puts in Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q6_K column by column, feeding "
+    "each column's error forward (GPTQ), from one more pass over the calibration text. Same size, lower KLD.",
+)
+@click.option(
     "--recipe",
     "recipe_file",
     type=click.Path(path_type=Path),
@@ -72,6 +78,7 @@ def quantize_cmd(
     imatrix,
     budget,
     exclude_types,
+    error_feedback,
     recipe_file,
     force,
     as_json,
@@ -92,6 +99,8 @@ def quantize_cmd(
     """
     from quant.quantize import describe, quantize  # its worker is already starting (edgellm.cli: prestart)
 
+    if error_feedback and budget is None:
+        raise UsageError("--error-feedback goes with --budget (a recipe made with it applies it itself)")
     if budget is not None or recipe_file is not None:
         if levels:
             raise UsageError("--budget and --recipe choose the types themselves; drop --level")
@@ -108,7 +117,9 @@ def quantize_cmd(
             else:
                 from quant.budget import quantize_to_budget  # numpy and the sensitivity probes: only for --budget
 
-                r, recipe = quantize_to_budget(model, budget=budget, exclude=exclude_types.split(","), **job)
+                r, recipe = quantize_to_budget(
+                    model, budget=budget, exclude=exclude_types.split(","), feedback=error_feedback, **job
+                )
         if as_json:
             emit_json(
                 [
@@ -117,6 +128,8 @@ def quantize_cmd(
                         "search_seconds": recipe.search_seconds,
                         "recipe_file": recipe.file,
                         "rounding": recipe.rounding,
+                        "error_feedback": recipe.feedback,
+                        "feedback_seconds": recipe.feedback_seconds,
                     }
                 ]
             )
@@ -126,6 +139,12 @@ def quantize_cmd(
         click.echo(describe(r))
         click.echo(f"  recipe: {recipe.file} (search {recipe.search_seconds:.1f} s, quantization {r.quantize_seconds:.1f} s)")
         click.echo(f"  rounding: {rounding_text(recipe.rounding)}")
+        if recipe.feedback:
+            fs = recipe.feedback_seconds
+            click.echo(
+                f"  error feedback: {int(fs.get('matrices', 0))} matrices (inputs {fs.get('inputs', 0):.1f} s, "
+                f"rewrite {fs.get('rewrite', 0):.1f} s)"
+            )
         return
     wanted = [part.strip() for text in levels for part in text.split(",") if part.strip()]
     with running_job(not no_progress and not as_json) as (bar, token):
