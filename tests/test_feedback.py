@@ -20,7 +20,7 @@ def _correlated_inputs(rng: np.random.Generator, n: int, cols: int) -> np.ndarra
     return (rng.standard_normal((n, cols)) @ mix * scale).astype(np.float32)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_levels_written_back_give_ggml_s_own_bytes(type_name):
     """Each packer puts level k where ggml's to_float reads it: the levels read back from a block ggml wrote,
     put into a copy, give that block's bytes exactly."""
@@ -48,7 +48,7 @@ def test_levels_written_back_give_ggml_s_own_bytes(type_name):
         assert np.array_equal(again, blk), f"{type_name} block {bi}"
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_feedback_lowers_the_output_error_on_inputs_it_never_saw(type_name):
     """Against ggml's own rounding with the same importance (the covariance's diagonal): the output error
     E H E^T is lower on the calibration inputs and, by less, on held-out ones; same bytes per row."""
