@@ -56,7 +56,7 @@ _force_option = click.option("--force", is_flag=True, help="Replace an existing 
 @click.option(
     "--error-feedback",
     is_flag=True,
-    help="With --budget: round the matrices it puts in Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K column by column, feeding "
+    help="With --budget: round the matrices it puts in Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q6_K column by column, feeding "
     "each column's error forward (GPTQ), from one more pass over the calibration text. Same size, lower KLD.",
 )
 @click.option(
