@@ -32,7 +32,8 @@ from edgellm.errors import RuntimeFailure
 from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
 from quant._ggml import Tensor as _Tensor
 from quant._ggml import ggml
-from quant._imatrix_collect import OUTPUT_NAMES, Collector, _weight_name
+from quant._imatrix_collect import Collector, _weight_name
+from quant.imatrix_file import IMatrix
 
 SHRINK = 1.0  # H's diagonal is multiplied by 1 + SHRINK (see the module docstring)
 DAMP = 0.01  # plus DAMP x its mean, GPTQ's own damping, so that an unused input column stays invertible
@@ -298,7 +299,7 @@ def targets(tensor_types: Iterable[tuple[str, str]], names: Iterable[str]) -> di
 
 def rewrite(
     path: Path,
-    base_path: Path,
+    base: dict[str, Any],
     covs: dict[str, np.ndarray],
     imatrix: dict[str, np.ndarray],
     rounding: str,
@@ -306,11 +307,10 @@ def rewrite(
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
 ) -> list[str]:
-    """Rewrite, in place, each matrix of the GGUF at `path` that has a covariance and a packer, from the base's
+    """Rewrite, in place, each matrix of the GGUF at `path` that has a covariance and a packer, from the base tensors'
     values. `path` is a temp file not yet renamed into place, so a kill leaves nothing half-written behind."""
     from gguf import GGUFReader
 
-    base = {t.name: t for t in GGUFReader(base_path).tensors}
     todo = [t for t in GGUFReader(path).tensors if t.name in covs and int(t.tensor_type) in PACKERS]
     done: list[str] = []
     g = ggml()
@@ -343,7 +343,7 @@ def _floats(t: Any) -> np.ndarray:
 def prepare(
     base_path: Path,
     tensor_types: list[tuple[str, str]],
-    imatrix_path: Path,
+    imatrix: IMatrix,
     rounding: str,
     *,
     threads: Optional[int],
@@ -356,20 +356,18 @@ def prepare(
 
     from gguf import GGUFReader
 
-    from quant.imatrix_file import read_imatrix
-
     t0 = time.perf_counter()
-    names = [t.name for t in GGUFReader(base_path).tensors]
-    covs = covariances(base_path, targets(tensor_types, names), threads=threads, on_progress=on_progress, cancel=cancel)
-    imp = {n: e.normalized().astype(np.float32) for n, e in read_imatrix(imatrix_path).entries.items()}
+    base = {t.name: t for t in GGUFReader(base_path).tensors}
+    covs = covariances(base_path, targets(tensor_types, base), threads=threads, on_progress=on_progress, cancel=cancel)
+    imp = {n: e.normalized().astype(np.float32) for n, e in imatrix.entries.items()}
     timing = {"inputs": round(time.perf_counter() - t0, 3), "matrices": float(len(covs))}
 
     def run(tmp: Path) -> None:
         t1 = time.perf_counter()
-        rewrite(tmp, base_path, covs, imp, rounding, on_progress=on_progress, cancel=cancel)
+        rewrite(tmp, base, covs, imp, rounding, on_progress=on_progress, cancel=cancel)
         timing["rewrite"] = round(time.perf_counter() - t1, 3)
 
     return run, timing
 
 
-__all__ = ["PACKERS", "covariances", "feed_back", "prepare", "rewrite", "targets", "OUTPUT_NAMES"]
+__all__ = ["PACKERS", "covariances", "feed_back", "prepare", "rewrite", "targets"]

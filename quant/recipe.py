@@ -245,7 +245,7 @@ class RecipeJob:
         if imatrix is None:
             raise UsageError("the recipe was made with error feedback, which rounds with an importance matrix: add --imatrix")
         rewrite, recipe.feedback_seconds = prepare(
-            self.src.path, recipe.tensor_types, imatrix.path, recipe.rounding,
+            self.src.path, recipe.tensor_types, imatrix.matrix, recipe.rounding,
             threads=self.threads, on_progress=self.on_progress, cancel=self.cancel,
         )  # fmt: skip
         return rewrite

@@ -35,11 +35,12 @@ def main() -> int:
     from edgellm.errors import EdgeLLMError, one_line
     from edgellm.fsutil import atomic_path
     from quant import feedback, rounding
+    from quant.imatrix_file import read_imatrix
 
     try:
         tensor_types = [(f"^{t.name}$", t.tensor_type.name) for t in GGUFReader(args.quantized).tensors]
         t0 = time.perf_counter()
-        run, timing = feedback.prepare(args.base, tensor_types, args.imatrix, rounding.BUDGET, threads=args.threads)
+        run, timing = feedback.prepare(args.base, tensor_types, read_imatrix(args.imatrix), rounding.BUDGET, threads=args.threads)
         with atomic_path(args.output) as tmp:
             shutil.copyfile(args.quantized, tmp)
             run(tmp)
