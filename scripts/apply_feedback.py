@@ -30,15 +30,14 @@ def main() -> int:
     ap.add_argument("-o", "--output", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
-    from gguf import GGUFReader
-
     from edgellm.errors import EdgeLLMError, one_line
+    from edgellm.gguf.layout import read_tensors
     from edgellm.fsutil import atomic_path
     from quant import feedback, rounding
     from quant.imatrix_file import read_imatrix
 
     try:
-        tensor_types = [(f"^{t.name}$", t.tensor_type.name) for t in GGUFReader(args.quantized).tensors]
+        tensor_types = [(f"^{t.name}$", t.type_name) for t in read_tensors(args.quantized).tensors]
         t0 = time.perf_counter()
         run, timing = feedback.prepare(args.base, tensor_types, read_imatrix(args.imatrix), rounding.BUDGET, threads=args.threads)
         with atomic_path(args.output) as tmp:
