@@ -31,8 +31,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     from edgellm.errors import EdgeLLMError, one_line
-    from edgellm.gguf.layout import read_tensors
     from edgellm.fsutil import atomic_path
+    from edgellm.gguf.layout import read_tensors
     from quant import feedback, rounding
     from quant.imatrix_file import read_imatrix
 
