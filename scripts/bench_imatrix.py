@@ -15,12 +15,15 @@ calibration text), ctx 512, --chunks (>= 40):
 4. --budget at each stock level's file size (Q2_K, Q3_K_M, Q4_0, Q4_K_M):
    size and mean KLD, all types allowed and with q4_1,q5_1 excluded, as a ratio
    to `llama-quantize --imatrix` at that level with the same matrix (goal
-   <= 0.8), with the search's cost apart from the quantization's;
+   <= 0.8), with the search's cost apart from the quantization's; with
+   --error-feedback, the excluded ones again with feedback (--only-budget:
+   this part alone, with the KLDs its ratios are to);
 5. --recipe speed: `quantize --recipe` vs `llama-quantize --tensor-type-file`
    with the same per-tensor types and threads, median of --runs (goal <= 1.03).
 
     .venv/bin/python scripts/bench_imatrix.py --chunks 40 --threads 2 --json figures.json
     .venv/bin/python scripts/bench_imatrix.py --only-speed --threads 2 --runs 9    # part 5 alone, minutes
+    .venv/bin/python scripts/bench_imatrix.py --only-budget --error-feedback --chunks 40 --json grid-fb.json
     .venv/bin/python scripts/bench_imatrix.py --gridless 1 --gridless 4 --chunks 20 --json gridless.json
 
 6. --gridless F (repeatable; with it only this part runs): the default model
@@ -283,6 +286,49 @@ def gridless_figures(env: dict, q4_1_path: str, factor: int, tools: Path, work: 
     return fig
 
 
+def budget_figures(env: dict, base: str, t: str, imat: str, stock: dict, withm: dict, levels: list[str], fig: dict, args) -> dict:
+    """Part 4: --budget at each stock level's size, all types and with q4_1,q5_1 excluded (and with
+    --error-feedback, the excluded one again with feedback), as ratios to llama-quantize --imatrix at that level."""
+    budgets = {}
+    for lv in BUDGET_LEVELS:
+        size = stock[lv]["size_bytes"]
+        for excl in ("", "q4_1,q5_1"):  # q5_1's grid holds q4_1's: both go for the fair figure
+            exclude = ["--exclude-types", excl] if excl else []
+            runs = [("", [])] + ([("-fb", ["--error-feedback"])] if args.error_feedback and excl else [])
+            for tag, extra in runs:
+                r = quantize(env, base, t, "--budget", str(size), "--imatrix", imat, "--force", *exclude, *extra)[0]
+                # the two runs share a name (budget-<bytes>): keep the first under another name by evaluating it now
+                budgets[(lv, excl + tag)] = {
+                    "name": r["name"],
+                    "size_bytes": r["size_bytes"],
+                    "search_seconds": r["search_seconds"],
+                    "quantize_seconds": r["quantize_seconds"],
+                    "recipe_file": r["recipe_file"],
+                    "kld": kld(env, base, [r["name"]], args)[r["name"]]["kld_mean"],
+                    **({"feedback_seconds": r["feedback_seconds"]} if tag else {}),
+                }
+                kl = budgets[(lv, excl + tag)]["kld"]
+                print(f"grid base {lv} {excl or 'all types'}{tag}: {r['size_bytes']} B KLD {kl:.5f}", flush=True)
+    names = [stock[lv]["name"] for lv in levels] + [withm[lv]["name"] for lv in levels]
+    k = kld(env, base, names, args)
+    fig["kld"] = {
+        lv: {
+            "stock": k[stock[lv]["name"]]["kld_mean"],
+            "imatrix": k[withm[lv]["name"]]["kld_mean"],
+            "size_stock": stock[lv]["size_bytes"],
+        }
+        for lv in levels
+    }
+    fig["budget"] = {
+        f"{lv}{'-no-' + excl.replace(',', '-') if excl else ''}": {
+            **v,
+            "ratio_vs_imatrix_level": v["kld"] / fig["kld"][lv]["imatrix"],
+        }
+        for (lv, excl), v in budgets.items()
+    }
+    return fig["budget"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=40, help="WikiText-2 chunks of 512 for KLD (>= 40)")
@@ -306,7 +352,8 @@ def main() -> int:
     ap.add_argument(
         "--error-feedback",
         action="store_true",
-        help="with --gridless: also each --budget file with --error-feedback (same types), evaluated beside it",
+        help="also each --budget file with --error-feedback (same types), evaluated beside it (on the grid base, "
+        "the q4_1,q5_1-excluded ones)",
     )
     ap.add_argument(
         "--work",
@@ -319,6 +366,12 @@ def main() -> int:
         "--only-speed",
         action="store_true",
         help="only part 5 (its recipe from one --budget search at Q4_K_M's size): minutes, not an hour",
+    )
+    ap.add_argument(
+        "--only-budget",
+        action="store_true",
+        help="only part 4 on the grid base (and the stock and --imatrix KLDs its ratios are to): no llama-imatrix, "
+        "identity or speed runs",
     )
     args = ap.parse_args()
     tools = tools_dir()
@@ -346,6 +399,13 @@ def main() -> int:
     t0 = time.perf_counter()
     mine = edgellm(env, "imatrix", base, "--threads", t, "--json", "--no-progress", *im_args)
     fig["imatrix_seconds"] = time.perf_counter() - t0
+    if args.only_budget:
+        levels = sorted(set(IMATRIX_LEVELS + BUDGET_LEVELS))
+        level_args = sum((["-l", lv] for lv in levels), [])
+        stock = {r["level"]: r for r in quantize(env, base, t, *level_args)}
+        withm = {r["level"]: r for r in quantize(env, base, t, *level_args, "--imatrix", mine["file"])}
+        budget_figures(env, base, t, mine["file"], stock, withm, levels, fig, args)
+        return report(fig, args)
     from quant._imatrix_collect import OUTPUT_NAMES
     from quant.imatrix import calibration_path
     from quant.imatrix_file import read_imatrix
@@ -394,42 +454,10 @@ def main() -> int:
         fig["identical_to_llama_quantize"][lv] = sha(ref) == withm[lv]["sha256"]
 
     # 4. budgets at the stock sizes, with and without q4_1
-    budgets = {}
-    for lv in BUDGET_LEVELS:
-        size = stock[lv]["size_bytes"]
-        for excl in ("", "q4_1,q5_1"):  # q5_1's grid holds q4_1's: both go for the fair figure
-            exclude = ["--exclude-types", excl] if excl else []
-            r = quantize(env, base, t, "--budget", str(size), "--imatrix", imat, "--force", *exclude)[0]
-            # the two runs share a name (budget-<bytes>): keep the first under another name by evaluating it now
-            budgets[(lv, excl)] = {
-                "name": r["name"],
-                "size_bytes": r["size_bytes"],
-                "search_seconds": r["search_seconds"],
-                "quantize_seconds": r["quantize_seconds"],
-                "recipe_file": r["recipe_file"],
-                "kld": kld(env, base, [r["name"]], args)[r["name"]]["kld_mean"],
-            }
-            print(f"grid base {lv} {excl or 'all types'}: {r['size_bytes']} B KLD {budgets[(lv, excl)]['kld']:.5f}", flush=True)
-    names = [stock[lv]["name"] for lv in levels] + [withm[lv]["name"] for lv in levels]
-    k = kld(env, base, names, args)
-    fig["kld"] = {
-        lv: {
-            "stock": k[stock[lv]["name"]]["kld_mean"],
-            "imatrix": k[withm[lv]["name"]]["kld_mean"],
-            "size_stock": stock[lv]["size_bytes"],
-        }
-        for lv in levels
-    }
-    fig["budget"] = {
-        f"{lv}{'-no-' + excl.replace(',', '-') if excl else ''}": {
-            **v,
-            "ratio_vs_imatrix_level": v["kld"] / fig["kld"][lv]["imatrix"],
-        }
-        for (lv, excl), v in budgets.items()
-    }
+    budgets = budget_figures(env, base, t, imat, stock, withm, levels, fig, args)
 
     # 5. --recipe speed vs llama-quantize --tensor-type-file (same types, same threads, no imatrix on either side)
-    fig["recipe_speed"] = recipe_speed(env, base, f16_path, budgets[("q4_k_m", "q4_1,q5_1")]["recipe_file"], tools, work, args)
+    fig["recipe_speed"] = recipe_speed(env, base, f16_path, budgets["q4_k_m-no-q4_1-q5_1"]["recipe_file"], tools, work, args)
     return report(fig, args)
 
 
