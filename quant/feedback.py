@@ -28,9 +28,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from edgellm.errors import RuntimeFailure
+from edgellm.engine.memory import available_ram
+from edgellm.errors import InsufficientResources, RuntimeFailure
 from edgellm.gguf.layout import read_tensors
 from edgellm.progress import CancelToken, Progress, ProgressCallback, no_progress
+from edgellm.units import human_size
 from quant._ggml import Tensor as _Tensor
 from quant._ggml import ggml
 from quant._imatrix_collect import Collector, _weight_name
@@ -376,6 +378,47 @@ def _floats(raw: np.ndarray, t: Any) -> np.ndarray:
     return data.astype(np.float32).reshape(shape)
 
 
+# RAM beside the covariances: llama.cpp's context and the rest of the process
+HEADROOM = 512 << 20
+# one cols x cols float64 array: a covariance's accumulator; the factorization of the widest input takes
+# FACTOR_COPIES of them at once (the shrunk copy, its Cholesky factor, the inverse by halves, the reversed U)
+FACTOR_COPIES = 5
+
+
+def _cov_bytes(cols: int) -> int:
+    return cols * cols * 8
+
+
+def pass_plan(cols: dict[str, int], room: int) -> list[list[str]]:
+    """The matrices (name -> input width) split into calibration passes, each measuring as many distinct inputs
+    as fit in `room` bytes beside the widest one's factorization. At 1.93B a Q5_K_M-size recipe's 24 inputs take
+    3.35 GB and one pass does; at 7.7B every ffn_down in Q6_K would take ~36 GB, so the pass is repeated over
+    groups of layers instead (each pass costs one forward over the calibration text). Raises
+    InsufficientResources if not even the widest input fits."""
+    widths: dict[str, int] = {}  # input key -> width, in the file's order
+    for n, c in cols.items():
+        widths.setdefault(input_key(n), c)
+    if not widths:
+        return []
+    transient = FACTOR_COPIES * _cov_bytes(max(widths.values()))
+    widest = max(widths, key=lambda k: widths[k])
+    if _cov_bytes(widths[widest]) + transient > room:
+        raise InsufficientResources(
+            f"error feedback needs {human_size(_cov_bytes(widths[widest]) + transient)} of free RAM beside the base for "
+            f"the {widths[widest]}-wide inputs of {widest.removesuffix('.weight')}, and has {human_size(max(0, room))}: "
+            "free some memory, or quantize without --error-feedback"
+        )
+    groups: list[list[str]] = [[]]
+    used = 0
+    for k, c in widths.items():
+        if groups[-1] and used + _cov_bytes(c) + transient > room:
+            groups.append([])
+            used = 0
+        groups[-1].append(k)
+        used += _cov_bytes(c)
+    return [[n for n in cols if input_key(n) in set(g)] for g in groups]
+
+
 def prepare(
     base_path: Path,
     tensor_types: list[tuple[str, str]],
@@ -386,22 +429,31 @@ def prepare(
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
 ) -> tuple[Callable[[Path], None], dict[str, float]]:
-    """Measure the inputs of every matrix the recipe puts in a packed type, and return the rewrite that
-    quant/quantize.py runs on the finished temp file, with its timings (seconds: "inputs", then "rewrite")."""
+    """Plan the passes over the calibration text for every matrix the recipe puts in a packed type (refusing now,
+    before anything is quantized, if free RAM cannot hold the widest input), and return the rewrite that
+    quant/quantize.py runs on the finished temp file, with its timings (seconds: "inputs", "rewrite"; "matrices",
+    "passes"). Each pass measures its inputs, the rewrite uses them and lets them go before the next pass, so the
+    covariances and llama-quantize's own memory are never held at once."""
     import time
 
-    t0 = time.perf_counter()
-    names = [t.name for t in read_tensors(base_path).tensors]
-    covs = covariances(base_path, targets(tensor_types, names), threads=threads, on_progress=on_progress, cancel=cancel)
+    widths = {t.name: int(t.shape[0]) for t in read_tensors(base_path).tensors}
+    wanted = targets(tensor_types, widths)
+    passes = pass_plan({n: widths[n] for n in wanted}, available_ram() - base_path.stat().st_size - HEADROOM)
     imp = {n: e.normalized().astype(np.float32) for n, e in imatrix.entries.items()}
-    timing = {"inputs": round(time.perf_counter() - t0, 3), "matrices": float(len(covs))}
+    timing = {"inputs": 0.0, "rewrite": 0.0, "matrices": 0.0, "passes": float(len(passes))}
 
     def run(tmp: Path) -> None:
-        t1 = time.perf_counter()
-        rewrite(tmp, base_path, covs, imp, rounding, on_progress=on_progress, cancel=cancel)
-        timing["rewrite"] = round(time.perf_counter() - t1, 3)
+        for names in passes:
+            t0 = time.perf_counter()
+            covs = covariances(base_path, names, threads=threads, on_progress=on_progress, cancel=cancel)
+            t1 = time.perf_counter()
+            rewrite(tmp, base_path, covs, imp, rounding, on_progress=on_progress, cancel=cancel)
+            timing["inputs"] = round(timing["inputs"] + t1 - t0, 3)
+            timing["rewrite"] = round(timing["rewrite"] + time.perf_counter() - t1, 3)
+            timing["matrices"] += len(covs)
+            del covs
 
     return run, timing
 
 
-__all__ = ["PACKERS", "covariances", "feed_back", "prepare", "rewrite", "targets"]
+__all__ = ["PACKERS", "covariances", "feed_back", "pass_plan", "prepare", "rewrite", "targets"]

@@ -5,7 +5,8 @@
 
 Every matrix the quantized file holds in a type of quant.feedback.FED_BACK is rounded again from the base's
 values, column by column, with the inputs' covariance measured on the shipped calibration text (one pass of
-BASE). The output has the same types, size and layout; it is written beside OUT and renamed when complete.
+BASE; more where free RAM holds only some of the covariances at once). The output has the same types, size
+and layout; it is written beside OUT and renamed when complete.
 The rounding is --budget's (quant.rounding.BUDGET). Used for docs/quantize.md's figures on files a --budget
 run already made (the search does not depend on the feedback, so its types are the same).
 """
@@ -47,7 +48,7 @@ def main() -> int:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     print(
-        f"{args.output}: {int(timing['matrices'])} matrices fed back; inputs {timing['inputs']:.1f} s, "
+        f"{args.output}: {int(timing['matrices'])} matrices fed back; {int(timing['passes'])} pass(es), inputs {timing['inputs']:.1f} s, "
         f"rewrite {timing['rewrite']:.1f} s, {time.perf_counter() - t0:.1f} s in all"
     )
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgellm.gguf.layout import read_tensors
 from support.helpers import refused
 from support.quant_fixtures import F16_NAME, f16_model, f16_session  # noqa: F401 (fixtures)
 
@@ -76,7 +77,7 @@ def test_feedback_lowers_the_output_error_on_inputs_it_never_saw(type_name):
     assert on_cal < 0.8 and on_held < 0.85, (type_name, on_cal, on_held)
 
 
-def test_budget_with_error_feedback_is_reproduced_by_its_recipe(cli, f16_model, session_imatrix, edgellm_home):
+def test_budget_with_error_feedback_is_reproduced_by_its_recipe(cli, f16_model, session_imatrix, edgellm_home, monkeypatch):
     common = ["--exclude-types", "q4_1", "--imatrix", str(session_imatrix), "--threads", "2", "--json"]
     res = cli("quantize", F16_NAME, "--budget", "95MB", "--error-feedback", *common)
     assert res.exit_code == 0, res
@@ -91,9 +92,40 @@ def test_budget_with_error_feedback_is_reproduced_by_its_recipe(cli, f16_model, 
     # the same types (the search does not know about feedback), other bytes
     assert plain["tensor_types"] == out["tensor_types"] and plain["size_bytes"] == out["size_bytes"]
     assert plain["sha256"] != out["sha256"]
+    # reproduced with the RAM for about half the covariances: two passes over the text, the same bytes
+    from quant.feedback import FACTOR_COPIES, HEADROOM, input_key, targets
+
+    tables = {t.name: int(t.shape[0]) for t in read_tensors(f16_model.path).tensors}
+    widths = {input_key(n): tables[n] for n in targets([(p, t) for p, t in recipe["tensor_types"]], tables)}
+    covs = sum(8 * c * c for c in widths.values())
+    room = covs // 2 + (1 + FACTOR_COPIES) * 8 * max(widths.values()) ** 2  # the first pass takes over half
+    monkeypatch.setenv("EDGELLM_FAKE_AVAILABLE_RAM", str(f16_model.path.stat().st_size + HEADROOM + room))
     again = cli("quantize", F16_NAME, "--recipe", out["recipe_file"], "--force", *common[2:])
     assert again.exit_code == 0, again
     assert again.json()[0]["sha256"] == out["sha256"]
+    assert fs["passes"] == 1 and again.json()[0]["feedback_seconds"]["passes"] == 2
+    # too little RAM for even the widest input: refused before anything is quantized
+    monkeypatch.setenv("EDGELLM_FAKE_AVAILABLE_RAM", str(f16_model.path.stat().st_size + HEADROOM + 1_000_000))
+    msg = refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", out["recipe_file"], "--force", *common[2:])
+    assert "error feedback needs" in msg and "wide inputs of " in msg and "without --error-feedback" in msg
+    monkeypatch.delenv("EDGELLM_FAKE_AVAILABLE_RAM")
     # the recipe needs the matrix it rounds with; the flag needs --budget
     assert "add --imatrix" in refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", out["recipe_file"], "--force")
     assert "goes with --budget" in refused(cli, edgellm_home, "quantize", F16_NAME, "-l", "q4_0", "--error-feedback")
+
+
+def test_passes_hold_what_fits_and_a_layer_s_shared_input_once():
+    from edgellm.errors import InsufficientResources
+    from quant.feedback import FACTOR_COPIES, pass_plan
+
+    cols = {f"blk.{i}.{k}.weight": (1536 if k == "ffn_down" else 576) for i in range(3) for k in ("attn_q", "attn_k", "ffn_down")}
+    big, small = 8 * 1536**2, 8 * 576**2
+    transient = FACTOR_COPIES * big
+    # everything fits: one pass; q and k share one input, so a layer costs small + big
+    assert pass_plan(cols, transient + 3 * (small + big)) == [list(cols)]
+    # room for two layers' inputs per pass: the third layer waits for a second pass
+    two = pass_plan(cols, transient + 2 * (small + big))
+    assert [len(p) for p in two] == [6, 3] and all(n.startswith("blk.2.") for n in two[1])
+    assert pass_plan({}, 0) == []
+    with pytest.raises(InsufficientResources, match="1536-wide inputs of blk.0.ffn_down"):
+        pass_plan(cols, transient + big - 1)
