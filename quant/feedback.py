@@ -21,6 +21,7 @@ over the calibration text (`covariances`), the same text and chunks as the impor
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -343,18 +344,24 @@ def rewrite(
     todo = [t for t in read_tensors(path).tensors if t.name in covs and t.type_id in PACKERS]
     done: list[str] = []
     factors: dict[int, np.ndarray] = {}  # by id of the covariance: q/k/v (gate/up) share one object, so one factor
+    # matrices still to come per covariance: a factor is dropped after its last one, so a pass holds one or two
+    # factors beside its covariances, not one per input (pass_plan counts on that)
+    left = Counter(id(covs[t.name]) for t in todo)
     g = ggml()
     with open(path, "r+b") as f, g.rounding(rounding):
         for i, t in enumerate(todo):
             on_progress(Progress("error feedback", i, len(todo), "matrix", message=t.name))
+            h = covs[t.name]
+            left[id(h)] -= 1
             src = base.get(t.name)
             if src is None or src.type_name not in _FLOAT:
                 continue  # a quantized base has no values to feed back from
             w = _floats(raw, src)
-            h = covs[t.name]
             u = factors.get(id(h))
             if u is None:
                 u = factors[id(h)] = _factor(h)
+            if not left[id(h)]:
+                del factors[id(h)]
             data = feed_back(t.type_id, w, h, imatrix.get(t.name), cancel, u)
             if len(data) != t.n_bytes:
                 raise RuntimeFailure(f"error feedback wrote {len(data)} bytes for {t.name}, not {t.n_bytes}")
@@ -404,7 +411,7 @@ def pass_plan(cols: dict[str, int], room: int) -> list[list[str]]:
     widest = max(widths, key=lambda k: widths[k])
     if _cov_bytes(widths[widest]) + transient > room:
         raise InsufficientResources(
-            f"error feedback needs {human_size(_cov_bytes(widths[widest]) + transient)} of free RAM beside the base for "
+            f"error feedback needs {human_size(_cov_bytes(widths[widest]) + transient)} of free RAM for "
             f"the {widths[widest]}-wide inputs of {widest.removesuffix('.weight')}, and has {human_size(max(0, room))}: "
             "free some memory, or quantize without --error-feedback"
         )
@@ -417,6 +424,16 @@ def pass_plan(cols: dict[str, int], room: int) -> list[list[str]]:
         groups[-1].append(k)
         used += _cov_bytes(c)
     return [[n for n in cols if input_key(n) in set(g)] for g in groups]
+
+
+def plan_passes(cols: dict[str, int], free: int, base_bytes: int) -> list[list[str]]:
+    """pass_plan with room beside the base's pages, so that each pass reads the mmapped base from RAM; where not
+    even one input fits beside them, with all of `free`: the passes then read the base from disk again each time,
+    slower but not refused."""
+    try:
+        return pass_plan(cols, free - base_bytes)
+    except InsufficientResources:
+        return pass_plan(cols, free)
 
 
 def prepare(
@@ -437,8 +454,8 @@ def prepare(
     import time
 
     widths = {t.name: int(t.shape[0]) for t in read_tensors(base_path).tensors}
-    wanted = targets(tensor_types, widths)
-    passes = pass_plan({n: widths[n] for n in wanted}, available_ram() - base_path.stat().st_size - HEADROOM)
+    cols = {n: widths[n] for n in targets(tensor_types, widths)}
+    passes = plan_passes(cols, available_ram() - HEADROOM, base_path.stat().st_size)
     imp = {n: e.normalized().astype(np.float32) for n, e in imatrix.entries.items()}
     timing = {"inputs": 0.0, "rewrite": 0.0, "matrices": 0.0, "passes": float(len(passes))}
 
@@ -456,4 +473,4 @@ def prepare(
     return run, timing
 
 
-__all__ = ["PACKERS", "covariances", "feed_back", "pass_plan", "prepare", "rewrite", "targets"]
+__all__ = ["PACKERS", "covariances", "feed_back", "pass_plan", "plan_passes", "prepare", "rewrite", "targets"]

@@ -105,7 +105,7 @@ def test_budget_with_error_feedback_is_reproduced_by_its_recipe(cli, f16_model, 
     assert again.json()[0]["sha256"] == out["sha256"]
     assert fs["passes"] == 1 and again.json()[0]["feedback_seconds"]["passes"] == 2
     # too little RAM for even the widest input: refused before anything is quantized
-    monkeypatch.setenv("EDGELLM_FAKE_AVAILABLE_RAM", str(f16_model.path.stat().st_size + HEADROOM + 1_000_000))
+    monkeypatch.setenv("EDGELLM_FAKE_AVAILABLE_RAM", str(HEADROOM + 1_000_000))
     msg = refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", out["recipe_file"], "--force", *common[2:])
     assert "error feedback needs" in msg and "wide inputs of " in msg and "without --error-feedback" in msg
     monkeypatch.delenv("EDGELLM_FAKE_AVAILABLE_RAM")
@@ -116,7 +116,7 @@ def test_budget_with_error_feedback_is_reproduced_by_its_recipe(cli, f16_model, 
 
 def test_passes_hold_what_fits_and_a_layer_s_shared_input_once():
     from edgellm.errors import InsufficientResources
-    from quant.feedback import FACTOR_COPIES, pass_plan
+    from quant.feedback import FACTOR_COPIES, pass_plan, plan_passes
 
     cols = {f"blk.{i}.{k}.weight": (1536 if k == "ffn_down" else 576) for i in range(3) for k in ("attn_q", "attn_k", "ffn_down")}
     big, small = 8 * 1536**2, 8 * 576**2
@@ -129,3 +129,14 @@ def test_passes_hold_what_fits_and_a_layer_s_shared_input_once():
     assert pass_plan({}, 0) == []
     with pytest.raises(InsufficientResources, match="1536-wide inputs of blk.0.ffn_down"):
         pass_plan(cols, transient + big - 1)
+    # beside a base that leaves too little, the passes take all that is free (the base is read from disk again)
+    base = 10**9
+    assert plan_passes(cols, base + transient + 3 * (small + big), base) == [list(cols)]
+    assert plan_passes(cols, base + transient + small + big, base) == one_layer_a_pass(cols)
+    assert plan_passes(cols, transient + 3 * (small + big), base) == [list(cols)]
+    with pytest.raises(InsufficientResources, match="error feedback needs"):
+        plan_passes(cols, transient + big - 1, base)
+
+
+def one_layer_a_pass(cols: dict[str, int]) -> list[list[str]]:
+    return [[n for n in cols if n.startswith(f"blk.{i}.")] for i in range(3)]
