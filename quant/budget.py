@@ -288,6 +288,18 @@ def with_current_errors(
     return out
 
 
+def pickable(
+    results: dict[tuple[str, str], sensitivity.ProbeResult], mats: Sequence[Matrix]
+) -> dict[tuple[str, str], sensitivity.ProbeResult]:
+    """The cached probes of types this search may pick. A probe of an excluded type must not lend its gain to
+    the others: on the grid base a Q4_1 probe (nearly exact there, so its KLD per unit error is noise) cached by
+    an all-types run set Q5_0's borrowed gain ~3x too high in the q4_1,q5_1-excluded run after it, which then
+    chose 24 fewer Q5_0 matrices: 0.726x llama-quantize's Q4_K_M KLD instead of the 0.541x a cold search gets,
+    which this filter gives back to the digit (docs/quantize.md, the grid base)."""
+    types = {t for m in mats for t, _b, _e in m.options}
+    return {k: r for k, r in results.items() if k[1] in types}
+
+
 # long: the search's rounds (probe, allocate, probe what it picked), with the prober's lifetime and the cache around them
 def calibrated_choice(
     model_path: Path,
@@ -324,14 +336,14 @@ def calibrated_choice(
     try:
         for rnd in range(1, MAX_ROUNDS + 1):
             rounds = rnd
-            want = _wanted(groups, choice, results, target)
+            want = _wanted(groups, choice, pickable(results, mats), target)
             if not want and choice is not None:
                 break
             if want:
                 missing = [w for w in want if not prober.can_probe(w[2])]
                 want = [w for w in want if w not in missing]
                 sensitivity.run_probes(prober, want, type_ids, results, on_progress=on_progress, cancel=cancel)
-            gain = sensitivity.gain_lookup(results, type_bpw)
+            gain = sensitivity.gain_lookup(pickable(results, mats), type_bpw)
             choice, used = allocate(_scaled(mats, gain, n_layers), limit)
     finally:
         prober.close()

@@ -145,6 +145,25 @@ def test_a_cached_probe_takes_this_runs_proxy_error():
     assert now[("ffn_down/2-10", "IQ3_S")] == cached[("ffn_down/2-10", "IQ3_S")]  # not a candidate now: as cached
 
 
+def test_a_cached_probe_of_an_excluded_type_lends_no_gain():
+    """On the grid base an all-types run caches Q4_1 probes (nearly exact there, so their KLD per unit error is
+    noise); a q4_1-excluded run after it must borrow Q5_0's gain from the types it can pick, not from Q4_1."""
+    from quant.allocate import Matrix
+    from quant.budget import pickable, type_bpw
+    from quant.sensitivity import ProbeResult, gain_lookup
+
+    g = "ffn_down/11-19"
+    mats = [Matrix("blk.12.ffn_down.weight", 8, 256, [("IQ4_NL", 90, 3.0), ("Q5_0", 110, 1.0), ("Q8_0", 170, 0.1)])]
+    cached = {
+        (g, "Q4_1"): ProbeResult(kld=3e-6, kld_err=1e-7, error=0.02, matrices=9, seconds=1.0),  # gain 1.5e-4
+        (g, "IQ4_NL"): ProbeResult(kld=5e-3, kld_err=1e-4, error=100.0, matrices=9, seconds=1.0),  # gain 5e-5
+    }
+    assert gain_lookup(cached, type_bpw)(g, "Q5_0") == pytest.approx(1.5e-4)  # Q4_1 is nearest in bits
+    mine = pickable(cached, mats)
+    assert set(mine) == {(g, "IQ4_NL")}
+    assert gain_lookup(mine, type_bpw)(g, "Q5_0") == pytest.approx(5e-5)
+
+
 def test_refined_rounding_lowers_the_weighted_error_of_its_types_only():
     """The roundings --budget files use (scripts/patches/ggml-quants-refine-k.patch), through llama.cpp's own
     quantizer: on bell-shaped rows with uneven importance, less weighted error than llama.cpp's own blocks
