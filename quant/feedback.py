@@ -423,7 +423,8 @@ def pass_plan(cols: dict[str, int], room: int) -> list[list[str]]:
             used = 0
         groups[-1].append(k)
         used += _cov_bytes(c)
-    return [[n for n in cols if input_key(n) in set(g)] for g in groups]
+    pass_of = {k: i for i, g in enumerate(groups) for k in g}
+    return [[n for n in cols if pass_of[input_key(n)] == i] for i in range(len(groups))]
 
 
 def plan_passes(cols: dict[str, int], free: int, base_bytes: int) -> list[list[str]]:

@@ -48,8 +48,8 @@ def main() -> int:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     print(
-        f"{args.output}: {int(timing['matrices'])} matrices fed back; {int(timing['passes'])} pass(es), inputs {timing['inputs']:.1f} s, "
-        f"rewrite {timing['rewrite']:.1f} s, {time.perf_counter() - t0:.1f} s in all"
+        f"{args.output}: {int(timing['matrices'])} matrices fed back; {int(timing['passes'])} pass(es), "
+        f"inputs {timing['inputs']:.1f} s, rewrite {timing['rewrite']:.1f} s, {time.perf_counter() - t0:.1f} s in all"
     )
     return 0
 

@@ -286,6 +286,15 @@ def gridless_figures(env: dict, q4_1_path: str, factor: int, tools: Path, work: 
     return fig
 
 
+def level_files(env: dict, base: str, t: str, imat: str) -> tuple[list[str], dict, dict]:
+    """Every level parts 2-4 compare at, quantized without and with the matrix: (levels, stock, with matrix)."""
+    levels = sorted(set(IMATRIX_LEVELS + BUDGET_LEVELS))
+    level_args = sum((["-l", lv] for lv in levels), [])
+    stock = {r["level"]: r for r in quantize(env, base, t, *level_args)}
+    withm = {r["level"]: r for r in quantize(env, base, t, *level_args, "--imatrix", imat)}
+    return levels, stock, withm
+
+
 def budget_figures(env: dict, base: str, t: str, imat: str, stock: dict, withm: dict, levels: list[str], fig: dict, args) -> dict:
     """Part 4: --budget at each stock level's size, all types and with q4_1,q5_1 excluded (and with
     --error-feedback, the excluded one again with feedback), as ratios to llama-quantize --imatrix at that level."""
@@ -400,10 +409,7 @@ def main() -> int:
     mine = edgellm(env, "imatrix", base, "--threads", t, "--json", "--no-progress", *im_args)
     fig["imatrix_seconds"] = time.perf_counter() - t0
     if args.only_budget:
-        levels = sorted(set(IMATRIX_LEVELS + BUDGET_LEVELS))
-        level_args = sum((["-l", lv] for lv in levels), [])
-        stock = {r["level"]: r for r in quantize(env, base, t, *level_args)}
-        withm = {r["level"]: r for r in quantize(env, base, t, *level_args, "--imatrix", mine["file"])}
+        levels, stock, withm = level_files(env, base, t, mine["file"])
         budget_figures(env, base, t, mine["file"], stock, withm, levels, fig, args)
         return report(fig, args)
     from quant._imatrix_collect import OUTPUT_NAMES
@@ -443,10 +449,7 @@ def main() -> int:
     imat = mine["file"]
 
     # 2 + 3. stock vs imatrix levels; identity with llama-quantize --imatrix
-    levels = sorted(set(IMATRIX_LEVELS + BUDGET_LEVELS))
-    level_args = sum((["-l", lv] for lv in levels), [])
-    stock = {r["level"]: r for r in quantize(env, base, t, *level_args)}
-    withm = {r["level"]: r for r in quantize(env, base, t, *level_args, "--imatrix", imat)}
+    levels, stock, withm = level_files(env, base, t, imat)
     fig["identical_to_llama_quantize"] = {}
     for lv in levels:
         ref = work / f"ref-{lv}.gguf"
