@@ -9,13 +9,15 @@ result is a plain GGUF of the same types, sizes and layout: only the integers in
 
 The shipped calibration text is ~5k tokens, so H's off-diagonal is noisy: a first version without shrinkage
 (a whole block rounded at a time) cut the proxy error to 0.47x on the calibration text and only to 0.99x on
-held-out text. Doubling H's diagonal (shrinking
-toward the importance matrix, which rounding already honours) kept ~0.86x on held-out text for Q5_1 and
-0.4-0.7x for Q8_0 (docs/quantize.md, "Error feedback").
+held-out text. Doubling H's diagonal (shrinking toward the importance matrix, which rounding already honours)
+kept ~0.86x on held-out text for Q5_1 and 0.4-0.7x for Q8_0. H now also sums 10k tokens the model writes
+itself (quant/selfgen.py), and with them half that shrinkage does best on both tuning texts (docs/quantize.md,
+"Error feedback").
 
 Only types whose blocks map a level index k to a*k + b (a, b per block or sub-block) can be rewritten
-(`PACKERS`), and of those the ones measured to gain (`FED_BACK`); the rest are left as llama.cpp wrote them. The matrices' inputs come from one pass of the model
-over the calibration text (`covariances`), the same text and chunks as the importance matrix.
+(`PACKERS`), and of those the ones measured to gain (`FED_BACK`); the rest are left as llama.cpp wrote them.
+The matrices' inputs come from one pass of the model over the calibration text (the importance matrix's text
+and chunks) and the tokens it wrote (`covariances`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from quant._ggml import ggml
 from quant._imatrix_collect import Collector, _weight_name
 from quant.imatrix_file import IMatrix
 
-SHRINK = 1.0  # H's diagonal is multiplied by 1 + SHRINK (see the module docstring)
+SHRINK = 0.5  # H's diagonal is multiplied by 1 + SHRINK (see the module docstring)
 DAMP = 0.01  # plus DAMP x its mean, GPTQ's own damping, so that an unused input column stays invertible
 
 
@@ -181,16 +183,23 @@ def covariances(
     on_progress: ProgressCallback,
     cancel: Optional[CancelToken],
 ) -> dict[str, np.ndarray]:
-    """H / n for each named matrix, from one pass over the shipped calibration text (the importance matrix's text and chunks)."""
+    """H / n for each named matrix, from one pass over the shipped calibration text (the importance matrix's text and
+    chunks) and the tokens the model writes itself (quant/selfgen.py)."""
     from quant.imatrix import DEFAULT_BATCH, DEFAULT_CTX, _Runner, calibration_text
     from quant.perplexity import plan_chunks
+    from quant.selfgen import GEN_CTX, generate
 
+    assert GEN_CTX == DEFAULT_CTX  # a written sequence is one chunk of the pass below
+    written = generate(model_path, threads=threads, on_progress=on_progress, cancel=cancel)
     collector = _CovCollector(DEFAULT_CTX, names)
     runner = _Runner(
         model_path, ctx=DEFAULT_CTX, batch=DEFAULT_BATCH, threads=threads, output=True, cancel=cancel, collector=collector
     )
     try:
-        tokens = runner.tokenize(calibration_text().data)
+        text = runner.tokenize(calibration_text().data)
+        # the calibration text's whole chunks, then the model's own: the pass drops a partial last chunk
+        whole = len(text) // DEFAULT_CTX * DEFAULT_CTX
+        tokens = np.concatenate([np.asarray(text[:whole], np.int32), written])
         plan = plan_chunks(len(tokens), DEFAULT_CTX, None, DEFAULT_BATCH)
         runner.run(tokens, plan, on_progress=on_progress, cancel=cancel, task="error feedback: inputs")
     finally:

@@ -140,3 +140,33 @@ def test_passes_hold_what_fits_and_a_layer_s_shared_input_once():
 
 def one_layer_a_pass(cols: dict[str, int]) -> list[list[str]]:
     return [[n for n in cols if n.startswith(f"blk.{i}.")] for i in range(3)]
+
+
+def test_the_tokens_the_model_writes_repeat_with_their_seed_and_read_as_its_own(f16_model):
+    """quant/selfgen.py: each sequence starts at BOS, a seed writes the same tokens again and another seed
+    others, and the text is the model's own: its perplexity under the model is that of samples at temperature 1
+    (near the model's entropy, far from the vocabulary's 49,152), and it is not one token repeated."""
+    from quant.perplexity import LogitsRunner
+    from quant.selfgen import generate
+
+    a = generate(f16_model.path, n_seq=3, n_ctx=48, threads=2, seed=1)
+    assert a.shape == (3 * 48,) and a.dtype == np.int32
+    seqs = a.reshape(3, 48)
+    with LogitsRunner(f16_model.path, n_ctx=48, n_seq=1, n_batch=48, threads=2) as r:
+        assert (seqs[:, 0] == r.bos).all() and a.min() >= 0 and a.max() < r.n_vocab
+    assert np.array_equal(a, generate(f16_model.path, n_seq=3, n_ctx=48, threads=2, seed=1))
+    b = generate(f16_model.path, n_seq=3, n_ctx=48, threads=2, seed=2)
+    assert not np.array_equal(a, b)
+    assert not np.array_equal(seqs[0], seqs[1]) and min(len(set(s)) for s in seqs) > 20
+
+    from quant.perplexity import ChunkPlan
+
+    plan = ChunkPlan(n_ctx=48, n_chunk=3, n_batch=48, n_seq=1, first=0)
+    with LogitsRunner(f16_model.path, n_ctx=48, n_seq=1, n_batch=48, threads=2) as r:
+        nll = []
+        for _i, logits, target in r.chunks(a, plan):
+            lp = logits.astype(np.float64)
+            lse = np.log(np.exp(lp - lp.max(axis=1, keepdims=True)).sum(axis=1)) + lp.max(axis=1)
+            nll.extend(lse - lp[np.arange(len(target)), target])
+    ppl = float(np.exp(np.mean(nll)))
+    assert 3 < ppl < 2000, ppl
