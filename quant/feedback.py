@@ -182,15 +182,17 @@ def covariances(
     threads: Optional[int],
     on_progress: ProgressCallback,
     cancel: Optional[CancelToken],
+    written: Optional[np.ndarray] = None,
 ) -> dict[str, np.ndarray]:
     """H / n for each named matrix, from one pass over the shipped calibration text (the importance matrix's text and
-    chunks) and the tokens the model writes itself (quant/selfgen.py)."""
+    chunks) and the tokens the model writes itself (quant/selfgen.py; `written`: those already written)."""
     from quant.imatrix import DEFAULT_BATCH, DEFAULT_CTX, _Runner, calibration_text
     from quant.perplexity import plan_chunks
     from quant.selfgen import GEN_CTX, generate
 
     assert GEN_CTX == DEFAULT_CTX  # a written sequence is one chunk of the pass below
-    written = generate(model_path, threads=threads, on_progress=on_progress, cancel=cancel)
+    if written is None:
+        written = generate(model_path, threads=threads, on_progress=on_progress, cancel=cancel)
     collector = _CovCollector(DEFAULT_CTX, names)
     runner = _Runner(
         model_path, ctx=DEFAULT_CTX, batch=DEFAULT_BATCH, threads=threads, output=True, cancel=cancel, collector=collector
@@ -458,8 +460,8 @@ def prepare(
 ) -> tuple[Callable[[Path], None], dict[str, float]]:
     """Plan the passes over the calibration text for every matrix the recipe puts in a packed type (refusing now,
     before anything is quantized, if free RAM cannot hold the widest input), and return the rewrite that
-    quant/quantize.py runs on the finished temp file, with its timings (seconds: "inputs", "rewrite"; "matrices",
-    "passes"). Each pass measures its inputs, the rewrite uses them and lets them go before the next pass, so the
+    quant/quantize.py runs on the finished temp file, with its timings (seconds: "tokens" written by the model,
+    "inputs", "rewrite"; "matrices", "passes"). Each pass measures its inputs, the rewrite uses them and lets them go before the next pass, so the
     covariances and llama-quantize's own memory are never held at once."""
     import time
 
@@ -467,12 +469,17 @@ def prepare(
     cols = {n: widths[n] for n in targets(tensor_types, widths)}
     passes = plan_passes(cols, available_ram() - HEADROOM, base_path.stat().st_size)
     imp = {n: e.normalized().astype(np.float32) for n, e in imatrix.entries.items()}
-    timing = {"inputs": 0.0, "rewrite": 0.0, "matrices": 0.0, "passes": float(len(passes))}
+    timing = {"tokens": 0.0, "inputs": 0.0, "rewrite": 0.0, "matrices": 0.0, "passes": float(len(passes))}
 
     def run(tmp: Path) -> None:
+        from quant.selfgen import generate
+
+        t0 = time.perf_counter()
+        written = generate(base_path, threads=threads, on_progress=on_progress, cancel=cancel)  # once for every pass
+        timing["tokens"] = round(time.perf_counter() - t0, 3)
         for names in passes:
             t0 = time.perf_counter()
-            covs = covariances(base_path, names, threads=threads, on_progress=on_progress, cancel=cancel)
+            covs = covariances(base_path, names, threads=threads, on_progress=on_progress, cancel=cancel, written=written)
             t1 = time.perf_counter()
             rewrite(tmp, base_path, covs, imp, rounding, on_progress=on_progress, cancel=cancel)
             timing["inputs"] = round(timing["inputs"] + t1 - t0, 3)

@@ -4,8 +4,9 @@
     .venv/bin/python scripts/apply_feedback.py BASE_F16.gguf QUANTIZED.gguf IMATRIX.gguf -o OUT.gguf
 
 Every matrix the quantized file holds in a type of quant.feedback.FED_BACK is rounded again from the base's
-values, column by column, with the inputs' covariance measured on the shipped calibration text (one pass of
-BASE; more where free RAM holds only some of the covariances at once). The output has the same types, size
+values, column by column, with the inputs' covariance measured on the shipped calibration text and the tokens
+BASE writes itself (quant/selfgen.py; one pass of BASE over both, more where free RAM holds only some of the
+covariances at once). The output has the same types, size
 and layout; it is written beside OUT and renamed when complete.
 The rounding is --budget's (quant.rounding.BUDGET). Used for docs/quantize.md's figures on files a --budget
 run already made (the search does not depend on the feedback, so its types are the same).
@@ -49,7 +50,7 @@ def main() -> int:
         return 1
     print(
         f"{args.output}: {int(timing['matrices'])} matrices fed back; {int(timing['passes'])} pass(es), "
-        f"inputs {timing['inputs']:.1f} s, rewrite {timing['rewrite']:.1f} s, {time.perf_counter() - t0:.1f} s in all"
+        f"tokens written {timing['tokens']:.1f} s, inputs {timing['inputs']:.1f} s, rewrite {timing['rewrite']:.1f} s, {time.perf_counter() - t0:.1f} s in all"
     )
     return 0
 

@@ -266,9 +266,9 @@ def gridless_figures(env: dict, q4_1_path: str, factor: int, tools: Path, work: 
             row["fb_kld"] = k[row["fb_name"]]["kld_mean"]
             row["fb_ratio"] = row["fb_kld"] / row["imatrix_kld"]
             fs = row["feedback_seconds"]
-            row["fb_search_vs_q4_k_m_quantize"] = (row["search_seconds"] + fs["inputs"] + fs["rewrite"]) / fig["levels"][
-                "q4_k_m"
-            ]["llama_quantize_s"]
+            row["fb_search_vs_q4_k_m_quantize"] = (
+                row["search_seconds"] + fs.get("tokens", 0) + fs["inputs"] + fs["rewrite"]
+            ) / fig["levels"]["q4_k_m"]["llama_quantize_s"]
             print(
                 f"x{factor} {lv}: with error feedback KLD {row['fb_kld']:.5f} ({row['fb_ratio']:.3f}x imatrix); search "
                 f"+ feedback {row['fb_search_vs_q4_k_m_quantize']:.1f}x llama-quantize Q4_K_M",
