@@ -182,17 +182,13 @@ def covariances(
     threads: Optional[int],
     on_progress: ProgressCallback,
     cancel: Optional[CancelToken],
-    written: Optional[np.ndarray] = None,
+    written: np.ndarray,
 ) -> dict[str, np.ndarray]:
     """H / n for each named matrix, from one pass over the shipped calibration text (the importance matrix's text and
-    chunks) and the tokens the model writes itself (quant/selfgen.py; `written`: those already written)."""
+    chunks) and `written`, the tokens the model wrote itself (quant.selfgen.generate: whole chunks of the same length)."""
     from quant.imatrix import DEFAULT_BATCH, DEFAULT_CTX, _Runner, calibration_text
     from quant.perplexity import plan_chunks
-    from quant.selfgen import GEN_CTX, generate
 
-    assert GEN_CTX == DEFAULT_CTX  # a written sequence is one chunk of the pass below
-    if written is None:
-        written = generate(model_path, threads=threads, on_progress=on_progress, cancel=cancel)
     collector = _CovCollector(DEFAULT_CTX, names)
     runner = _Runner(
         model_path, ctx=DEFAULT_CTX, batch=DEFAULT_BATCH, threads=threads, output=True, cancel=cancel, collector=collector

@@ -67,9 +67,8 @@ class Recipe:
     imatrix: Optional[dict[str, Any]] = None  # ImatrixChoice.lineage()
     rounding: str = STOCK  # how its K-quant blocks are rounded (quant/rounding.py); recipes before it: stock
     feedback: bool = False  # its file's plain-scale matrices rounded with error feedback (quant/feedback.py)
-    feedback_seconds: dict[str, float] = field(
-        default_factory=dict
-    )  # "tokens" (quant/selfgen.py), "inputs" (the pass), "rewrite"
+    # "tokens" (quant/selfgen.py), "inputs" (the pass), "rewrite"; "matrices", "passes"
+    feedback_seconds: dict[str, float] = field(default_factory=dict)
     file: str = ""  # where it is saved
 
     def to_json(self) -> dict[str, Any]:

@@ -6,7 +6,8 @@ proxy error to 0.70x on the calibration text and only to 0.80-0.88x on held-out 
 did not help (the calibration text plus 15k tokens of Python's docs: WikiText-2 KLD 0.808x -> 0.815x of
 llama-quantize --imatrix at the Q5_K_M size). Text the model samples from itself at temperature 1 is its own
 distribution of inputs, needs no data beside the package, and is as long as one asks: with 10k such tokens
-beside the calibration text the same file reached 0.722x (docs/quantize.md, "Error feedback").
+beside the calibration text (and half the shrinkage) the same file reached 0.766x (docs/quantize.md, "Why the
+model's own tokens").
 
 Sequences are sampled in parallel, one token per sequence per decode, from a seeded numpy generator (the
 Gumbel-max trick over the whole vocabulary), so a machine writes the same tokens every time; each sequence is
@@ -16,21 +17,48 @@ one chunk of `GEN_CTX` tokens starting with BOS, the layout the covariance pass 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
 from edgellm.errors import RuntimeFailure
 from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter, no_progress
+from quant.imatrix import DEFAULT_CTX as GEN_CTX  # a written sequence is one chunk of the covariance pass
 from quant.perplexity import LogitsRunner
 
-GEN_CTX = 512  # the covariance pass's chunk (quant/imatrix.py's DEFAULT_CTX)
 GEN_SEQS = 20  # 10,240 tokens, twice the calibration text: the count measured (19 chunks) rounded up
 GEN_SEED = 20261206
 
 
 class _Sampler(LogitsRunner):
     LOAD_FAILED = "llama.cpp could not load {name} to write error feedback's calibration tokens"
+
+    def sample(self, rng: np.random.Generator, on_progress: ProgressCallback, cancel: Optional[CancelToken]) -> np.ndarray:
+        ll, b, n_seq, n_ctx = self._ll, self._batch, self.n_seq, self.n_ctx
+        start = self.bos if self.bos >= 0 else int(ll.llama_vocab_eos(self.vocab))
+        out = np.empty((n_seq, n_ctx), np.int32)
+        out[:, 0] = start
+        ll.llama_memory_clear(ll.llama_get_memory(self.ctx), True)
+        meter = RateMeter()
+        task = "error feedback: writing tokens"
+        on_progress(Progress(task, 0, n_seq * n_ctx, "token", message=f"{n_seq} sequences"))
+        for pos in range(n_ctx - 1):
+            if cancel is not None:
+                cancel.check()
+            b.token[:n_seq] = out[:, pos]
+            b.pos[:n_seq] = pos
+            b.seq[:n_seq] = np.arange(n_seq)
+            b.logits[:n_seq] = 1
+            b.struct.n_tokens = n_seq
+            rc = ll.llama_decode(self.ctx, b.struct)
+            if rc != 0:
+                raise RuntimeFailure(f"llama.cpp failed to decode while sampling from {self.path.name} (code {rc})")
+            logits = np.ctypeslib.as_array(ll.llama_get_logits(self.ctx), shape=(n_seq, self.n_vocab))
+            # Gumbel-max: argmax(logits + G) is a sample from softmax(logits), one vectorized step for every sequence
+            out[:, pos + 1] = np.argmax(logits - np.log(-np.log(rng.random(logits.shape))), axis=1)
+            done = n_seq * (pos + 2)
+            on_progress(Progress(task, done, n_seq * n_ctx, "token", rate=meter.update(done)))
+        return out.reshape(-1)
 
 
 def generate(
@@ -48,36 +76,6 @@ def generate(
     rng = np.random.default_rng(seed)
     runner = _Sampler(model_path, n_ctx=n_ctx, n_seq=n_seq, n_batch=n_seq, threads=threads)
     try:
-        return _sample(runner, rng, n_seq, n_ctx, on_progress, cancel)
+        return runner.sample(rng, on_progress, cancel)
     finally:
         runner.close()
-
-
-def _sample(
-    r: Any, rng: np.random.Generator, n_seq: int, n_ctx: int, on_progress: ProgressCallback, cancel: Optional[CancelToken]
-) -> np.ndarray:
-    ll, b = r._ll, r._batch
-    start = r.bos if r.bos >= 0 else int(ll.llama_vocab_eos(r.vocab))
-    out = np.empty((n_seq, n_ctx), np.int32)
-    out[:, 0] = start
-    ll.llama_memory_clear(ll.llama_get_memory(r.ctx), True)
-    meter = RateMeter()
-    task = "error feedback: writing tokens"
-    on_progress(Progress(task, 0, n_seq * n_ctx, "token", message=f"{n_seq} sequences"))
-    for pos in range(n_ctx - 1):
-        if cancel is not None:
-            cancel.check()
-        b.token[:n_seq] = out[:, pos]
-        b.pos[:n_seq] = pos
-        b.seq[:n_seq] = np.arange(n_seq)
-        b.logits[:n_seq] = 1
-        b.struct.n_tokens = n_seq
-        rc = ll.llama_decode(r.ctx, b.struct)
-        if rc != 0:
-            raise RuntimeFailure(f"llama.cpp failed to decode while sampling from {r.path.name} (code {rc})")
-        logits = np.ctypeslib.as_array(ll.llama_get_logits(r.ctx), shape=(n_seq, r.n_vocab))
-        # Gumbel-max: argmax(logits + G) is a sample from softmax(logits), one vectorized step for every sequence
-        out[:, pos + 1] = np.argmax(logits - np.log(-np.log(rng.random(logits.shape))), axis=1)
-        done = n_seq * (pos + 2)
-        on_progress(Progress(task, done, n_seq * n_ctx, "token", rate=meter.update(done)))
-    return out.reshape(-1)
