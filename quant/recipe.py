@@ -242,11 +242,12 @@ class RecipeJob:
     def feedback(self, recipe: Recipe, imatrix: Optional[ImatrixChoice]) -> Callable[[Path], None]:
         """The error-feedback rewrite for this recipe's file (its inputs measured now); it needs the matrix."""
         from quant.feedback import prepare  # numpy and the calibration pass: only with feedback
+        from quant.imatrix import model_sha256
 
         if imatrix is None:
             raise UsageError("the recipe was made with error feedback, which rounds with an importance matrix: add --imatrix")
         rewrite, recipe.feedback_seconds = prepare(
-            self.src.path, recipe.tensor_types, imatrix.matrix, recipe.rounding,
+            self.src.path, recipe.tensor_types, imatrix.matrix, recipe.rounding, model_sha256=model_sha256(self.src.resolved),
             threads=self.threads, on_progress=self.on_progress, cancel=self.cancel,
         )  # fmt: skip
         return rewrite

@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     from edgellm.errors import EdgeLLMError, one_line
-    from edgellm.fsutil import atomic_path
+    from edgellm.fsutil import atomic_path, sha256_file
     from edgellm.gguf.layout import read_tensors
     from quant import feedback, rounding
     from quant.imatrix_file import read_imatrix
@@ -41,7 +41,10 @@ def main() -> int:
     try:
         tensor_types = [(f"^{t.name}$", t.type_name) for t in read_tensors(args.quantized).tensors]
         t0 = time.perf_counter()
-        run, timing = feedback.prepare(args.base, tensor_types, read_imatrix(args.imatrix), rounding.BUDGET, threads=args.threads)
+        run, timing = feedback.prepare(
+            args.base, tensor_types, read_imatrix(args.imatrix), rounding.BUDGET,
+            model_sha256=sha256_file(args.base), threads=args.threads,
+        )  # fmt: skip
         with atomic_path(args.output) as tmp:
             shutil.copyfile(args.quantized, tmp)
             run(tmp)
@@ -50,7 +53,7 @@ def main() -> int:
         return 1
     print(
         f"{args.output}: {int(timing['matrices'])} matrices fed back; {int(timing['passes'])} pass(es), "
-        f"tokens written {timing['tokens']:.1f} s, inputs {timing['inputs']:.1f} s, rewrite {timing['rewrite']:.1f} s, {time.perf_counter() - t0:.1f} s in all"
+        f"tokens {'read back' if timing['tokens_cached'] else 'written'} {timing['tokens']:.1f} s, inputs {timing['inputs']:.1f} s, rewrite {timing['rewrite']:.1f} s, {time.perf_counter() - t0:.1f} s in all"
     )
     return 0
 

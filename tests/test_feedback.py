@@ -86,6 +86,7 @@ def test_budget_with_error_feedback_is_reproduced_by_its_recipe(cli, f16_model, 
     assert out["error_feedback"] is True
     fs = out["feedback_seconds"]
     assert fs["matrices"] > 100 and fs["tokens"] > 0 and fs["inputs"] > 0 and fs["rewrite"] > 0
+    assert fs["tokens_cached"] == 0 and len(list((edgellm_home / "selfgen").glob("*.npy"))) == 1
     recipe = json.loads(Path(out["recipe_file"]).read_text())
     assert recipe["feedback"] is True
     plain = cli("quantize", F16_NAME, "--budget", "95MB", *common).json()[0]
@@ -104,6 +105,8 @@ def test_budget_with_error_feedback_is_reproduced_by_its_recipe(cli, f16_model, 
     assert again.exit_code == 0, again
     assert again.json()[0]["sha256"] == out["sha256"]
     assert fs["passes"] == 1 and again.json()[0]["feedback_seconds"]["passes"] == 2
+    # the model's tokens were read back from the first job's cache (quant/selfgen.py): the same bytes again
+    assert again.json()[0]["feedback_seconds"]["tokens_cached"] == 1
     # too little RAM for even the widest input: refused before anything is quantized
     monkeypatch.setenv("EDGELLM_FAKE_AVAILABLE_RAM", str(HEADROOM + 1_000_000))
     msg = refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", out["recipe_file"], "--force", *common[2:])

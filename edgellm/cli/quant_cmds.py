@@ -142,7 +142,9 @@ def quantize_cmd(
         if recipe.feedback:
             fs = recipe.feedback_seconds
             click.echo(
-                f"  error feedback: {int(fs.get('matrices', 0))} matrices (tokens written {fs.get('tokens', 0):.1f} s, "
+                f"  error feedback: {int(fs.get('matrices', 0))} matrices (tokens "
+                + ("read back from an earlier job" if fs.get("tokens_cached") else f"written {fs.get('tokens', 0):.1f} s")
+                + ", "
                 f"inputs {fs.get('inputs', 0):.1f} s"
                 + (f" in {int(fs['passes'])} passes" if fs.get("passes", 1) > 1 else "")
                 + f", rewrite {fs.get('rewrite', 0):.1f} s)"
