@@ -471,6 +471,8 @@ def prepare(
     def run(tmp: Path) -> None:
         from quant.selfgen import written_tokens
 
+        if not passes:  # no matrix in a fed-back type (a Q3_K_M-size recipe can have none): nothing to measure
+            return
         t0 = time.perf_counter()
         # once for every pass, and once for every job on this base
         written, cached = written_tokens(base_path, model_sha256, threads=threads, on_progress=on_progress, cancel=cancel)

@@ -173,3 +173,20 @@ def test_the_tokens_the_model_writes_repeat_with_their_seed_and_read_as_its_own(
             nll.extend(lse - lp[np.arange(len(target)), target])
     ppl = float(np.exp(np.mean(nll)))
     assert 3 < ppl < 2000, ppl
+
+
+def test_a_recipe_with_no_fed_back_type_writes_no_tokens_and_leaves_the_file(f16_model, session_imatrix, edgellm_home, tmp_path):
+    """A Q3_K_M-size recipe can hold no matrix in a type of FED_BACK (x4: none at that size): the feedback then
+    plans no pass and must not spend minutes writing tokens it would not use (nor touch the file)."""
+    from quant import feedback, rounding
+    from quant.imatrix_file import read_imatrix
+
+    run, timing = feedback.prepare(
+        f16_model.path, [(".*", "Q4_K")], read_imatrix(session_imatrix), rounding.BUDGET, model_sha256="0" * 64, threads=1
+    )
+    out = tmp_path / "quantized.gguf"
+    out.write_bytes(b"as llama.cpp wrote it")
+    run(out)
+    assert out.read_bytes() == b"as llama.cpp wrote it"
+    assert timing["passes"] == 0 and timing["tokens"] == 0 and timing["matrices"] == 0
+    assert not (edgellm_home / "selfgen").exists()

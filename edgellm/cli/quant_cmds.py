@@ -139,8 +139,12 @@ def quantize_cmd(
         click.echo(describe(r))
         click.echo(f"  recipe: {recipe.file} (search {recipe.search_seconds:.1f} s, quantization {r.quantize_seconds:.1f} s)")
         click.echo(f"  rounding: {rounding_text(recipe.rounding)}")
-        if recipe.feedback:
-            fs = recipe.feedback_seconds
+        fs = recipe.feedback_seconds
+        if recipe.feedback and not fs.get("passes"):
+            click.echo(
+                "  error feedback: none of this recipe's matrices is in a type it rewrites; the file is llama.cpp's rounding"
+            )
+        elif recipe.feedback:
             click.echo(
                 f"  error feedback: {int(fs.get('matrices', 0))} matrices (tokens "
                 + ("read back from an earlier job" if fs.get("tokens_cached") else f"written {fs.get('tokens', 0):.1f} s")
