@@ -123,7 +123,7 @@ def written_tokens(
         tokens = np.load(cache, allow_pickle=False)
         if tokens.dtype == np.int32 and tokens.shape == (GEN_SEQS * GEN_CTX,):
             return tokens, True
-    except (OSError, ValueError):
+    except (OSError, ValueError, EOFError):  # absent, or not a whole array: written again
         pass
     tokens = generate(model_path, threads=threads, on_progress=on_progress, cancel=cancel)
     try:
