@@ -91,16 +91,16 @@ def generate(
         runner.close()
 
 
-def _cache_file(model_sha256: str, n_seq: int, n_ctx: int, seed: int) -> Path:
+def _cache_file(model_sha256: str) -> Path:
     import llama_cpp
 
     from edgellm.engine.backends import cpu_flags
 
     key = {
         "model": model_sha256,
-        "n_seq": n_seq,
-        "n_ctx": n_ctx,
-        "seed": seed,
+        "n_seq": GEN_SEQS,
+        "n_ctx": GEN_CTX,
+        "seed": GEN_SEED,
         "version": VERSION,
         "llama_cpp": getattr(llama_cpp, "__version__", "?"),
         "cpu": sorted(cpu_flags()),
@@ -118,7 +118,7 @@ def written_tokens(
 ) -> tuple[np.ndarray, bool]:
     """`generate`'s tokens for this model, from the cache when an earlier job on this machine wrote them
     (then True), else written now and kept (a killed job leaves no partial file: written by rename)."""
-    cache = _cache_file(model_sha256, GEN_SEQS, GEN_CTX, GEN_SEED)
+    cache = _cache_file(model_sha256)
     try:
         tokens = np.load(cache, allow_pickle=False)
         if tokens.dtype == np.int32 and tokens.shape == (GEN_SEQS * GEN_CTX,):
