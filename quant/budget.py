@@ -490,4 +490,6 @@ def quantize_to_budget(
     if res.size_bytes > b.bytes:
         store.remove(res.name)  # cannot happen with exact sizes; never leave a file over the budget
         raise QuantizeError(f"the file came out at {res.size_bytes} bytes, over the budget; nothing was kept")
+    if feedback:  # saved above before the rewrite ran, with its timing still at zero
+        atomic_write_text(jpath, json.dumps(recipe.to_json(), indent=1) + "\n")
     return res, recipe

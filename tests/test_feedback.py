@@ -88,7 +88,7 @@ def test_budget_with_error_feedback_is_reproduced_by_its_recipe(cli, f16_model, 
     assert fs["matrices"] > 100 and fs["tokens"] > 0 and fs["inputs"] > 0 and fs["rewrite"] > 0
     assert fs["tokens_cached"] == 0 and len(list((edgellm_home / "selfgen").glob("*.npy"))) == 1
     recipe = json.loads(Path(out["recipe_file"]).read_text())
-    assert recipe["feedback"] is True
+    assert recipe["feedback"] is True and recipe["feedback_seconds"] == fs  # the saved recipe has the job's timing
     plain = cli("quantize", F16_NAME, "--budget", "95MB", *common).json()[0]
     # the same types (the search does not know about feedback), other bytes
     assert plain["tensor_types"] == out["tensor_types"] and plain["size_bytes"] == out["size_bytes"]
