@@ -470,9 +470,6 @@ def quantize_to_budget(
     label = "budget-" + re.sub(r"[^a-z0-9.]", "", budget.lower()) + ("-fb" if feedback else "")
     jpath = recipes_folder() / f"{base_name(resolved, info)}-{label}.json"
     recipe.file = str(jpath)
-    atomic_write_text(jpath, json.dumps(recipe.to_json(), indent=1) + "\n")
-    atomic_write_text(jpath.with_suffix(".txt"), llama_quantize_text(recipe.tensor_types))
-    written = [jpath, jpath.with_suffix(".txt")]
     lineage: dict[str, Any] = {
         "file": recipe.file,
         "budget": recipe.budget,
@@ -481,15 +478,12 @@ def quantize_to_budget(
         "type_counts": recipe.type_counts,
         "search_seconds": recipe.search_seconds,
     }
-    try:
-        res = replace(job, on_progress=staged(on_progress, STAGES, "quantize")).quantize(recipe, lineage, label, choice, rewrite)
-    except BaseException:
-        for p in written:
-            p.unlink(missing_ok=True)
-        raise
+    res = replace(job, on_progress=staged(on_progress, STAGES, "quantize")).quantize(recipe, lineage, label, choice, rewrite)
     if res.size_bytes > b.bytes:
         store.remove(res.name)  # cannot happen with exact sizes; never leave a file over the budget
         raise QuantizeError(f"the file came out at {res.size_bytes} bytes, over the budget; nothing was kept")
-    if feedback:  # saved above before the rewrite ran, with its timing still at zero
-        atomic_write_text(jpath, json.dumps(recipe.to_json(), indent=1) + "\n")
+    # saved once the file is in place: a failed or killed job leaves no recipe for a file that does not exist,
+    # and a feedback job's recipe carries the timing its rewrite measured
+    atomic_write_text(jpath, json.dumps(recipe.to_json(), indent=1) + "\n")
+    atomic_write_text(jpath.with_suffix(".txt"), llama_quantize_text(recipe.tensor_types))
     return res, recipe
