@@ -466,6 +466,10 @@ def quantize_to_budget(
     choice = job.imatrix(imatrix or "auto")
     recipe = plan(job.src, choice, b, exclude=exclude, cancel=cancel, on_progress=on_progress, threads=threads)
     recipe.model, recipe.imatrix, recipe.feedback = resolved.label, choice.lineage(), feedback
+    if feedback:
+        from quant.selfgen import sequences_for
+
+        recipe.feedback_sequences = sequences_for(resolved.path)
     rewrite = job.feedback(recipe, choice) if feedback else None
     label = "budget-" + re.sub(r"[^a-z0-9.]", "", budget.lower()) + ("-fb" if feedback else "")
     jpath = recipes_folder() / f"{base_name(resolved, info)}-{label}.json"

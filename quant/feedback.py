@@ -451,14 +451,15 @@ def prepare(
     rounding: str,
     *,
     model_sha256: str,
+    sequences: int,
     threads: Optional[int],
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
 ) -> tuple[Callable[[Path], None], dict[str, float]]:
     """Plan the passes over the calibration text for every matrix the recipe puts in a packed type (refusing now,
     before anything is quantized, if free RAM cannot hold the widest input), and return the rewrite that
-    quant/quantize.py runs on the finished temp file, with its timings (seconds: "tokens" written by the model (or read
-    back: "tokens_cached" 1), "inputs", "rewrite"; "matrices", "passes"). Each pass measures its inputs, the rewrite uses them and lets them go before the next pass, so the
+    quant/quantize.py runs on the finished temp file, with its timings (seconds: "tokens" the model wrote, `sequences` of
+    them (or read back: "tokens_cached" 1), "inputs", "rewrite"; "matrices", "passes", "sequences"). Each pass measures its inputs, the rewrite uses them and lets them go before the next pass, so the
     covariances and llama-quantize's own memory are never held at once."""
     import time
 
@@ -467,6 +468,7 @@ def prepare(
     passes = plan_passes(cols, available_ram() - HEADROOM, base_path.stat().st_size)
     imp = {n: e.normalized().astype(np.float32) for n, e in imatrix.entries.items()}
     timing = {"tokens": 0.0, "tokens_cached": 0.0, "inputs": 0.0, "rewrite": 0.0, "matrices": 0.0, "passes": float(len(passes))}
+    timing["sequences"] = float(sequences if passes else 0)
 
     def run(tmp: Path) -> None:
         from quant.selfgen import written_tokens
@@ -475,7 +477,9 @@ def prepare(
             return
         t0 = time.perf_counter()
         # once for every pass, and once for every job on this base
-        written, cached = written_tokens(base_path, model_sha256, threads=threads, on_progress=on_progress, cancel=cancel)
+        written, cached = written_tokens(
+            base_path, model_sha256, sequences, threads=threads, on_progress=on_progress, cancel=cancel
+        )
         timing["tokens"] = round(time.perf_counter() - t0, 3)
         timing["tokens_cached"] = float(cached)
         for names in passes:

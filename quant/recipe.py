@@ -67,6 +67,9 @@ class Recipe:
     imatrix: Optional[dict[str, Any]] = None  # ImatrixChoice.lineage()
     rounding: str = STOCK  # how its K-quant blocks are rounded (quant/rounding.py); recipes before it: stock
     feedback: bool = False  # its file's plain-scale matrices rounded with error feedback (quant/feedback.py)
+    # the sequences the model wrote for feedback's inputs (quant/selfgen.py); None: a recipe from before the count
+    # followed the model's size, when every model wrote GEN_SEQS
+    feedback_sequences: Optional[int] = None
     # "tokens" (quant/selfgen.py), "inputs" (the pass), "rewrite"; "matrices", "passes"
     feedback_seconds: dict[str, float] = field(default_factory=dict)
     file: str = ""  # where it is saved
@@ -243,12 +246,13 @@ class RecipeJob:
         """The error-feedback rewrite for this recipe's file (its inputs measured now); it needs the matrix."""
         from quant.feedback import prepare  # numpy and the calibration pass: only with feedback
         from quant.imatrix import model_sha256
+        from quant.selfgen import GEN_SEQS
 
         if imatrix is None:
             raise UsageError("the recipe was made with error feedback, which rounds with an importance matrix: add --imatrix")
         rewrite, recipe.feedback_seconds = prepare(
             self.src.path, recipe.tensor_types, imatrix.matrix, recipe.rounding, model_sha256=model_sha256(self.src.resolved),
-            threads=self.threads, on_progress=self.on_progress, cancel=self.cancel,
+            sequences=GEN_SEQS if recipe.feedback_sequences is None else recipe.feedback_sequences, threads=self.threads, on_progress=self.on_progress, cancel=self.cancel,
         )  # fmt: skip
         return rewrite
 

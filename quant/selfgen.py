@@ -13,8 +13,9 @@ Sequences are sampled in parallel, one token per sequence per decode, from a see
 Gumbel-max trick over the whole vocabulary), so a machine writes the same tokens every time; each sequence is
 one chunk of `GEN_CTX` tokens starting with BOS, the layout the covariance pass reads chunks in.
 
-Writing them is most of what feedback costs at 1.93B (290 s of 738 s), and a user who makes a model's files at
-two or three sizes would write the same tokens each time: `written_tokens` keeps them under `<home>/selfgen/`,
+Their cost grows with the model, their gain does not: `sequences_for` gives each model the forward work the
+default model's 20 sequences take, so from ~1.4B weights on H comes from the calibration text alone. A user who
+makes a model's files at two or three sizes would write the same tokens each time: `written_tokens` keeps them under `<home>/selfgen/`,
 keyed by the model's sha256, the sampling setup, llama.cpp's version and the CPU's flags (another kernel can
 round a logit differently and so sample another token).
 """
@@ -35,7 +36,15 @@ from edgellm.progress import CancelToken, Progress, ProgressCallback, RateMeter,
 from quant.imatrix import DEFAULT_CTX as GEN_CTX  # a written sequence is one chunk of the covariance pass
 from quant.perplexity import LogitsRunner
 
-GEN_SEQS = 20  # 10,240 tokens, twice the calibration text: the count measured (19 chunks) rounded up
+GEN_SEQS = 20  # at most: 10,240 tokens, twice the calibration text: the count measured (19 chunks) rounded up
+# The forward work the written tokens may cost, in weight x token products (they are decoded once and read once
+# by the pass): what the default model's 20 sequences take (135M x 10,240 = 1.4e12). A larger model writes
+# fewer, in steps of GEN_STEP (a decode step of 4 sequences costs nearly what one of 20 does on a CPU, so fewer
+# buy little): 1.93B writes none. Measured there, the 20 sequences cost 259 s to write and 180 s more of the
+# pass for 0.773x -> 0.751x at the Q5_K_M size, and with them a cold --budget --error-feedback job was 12.5x
+# one llama-quantize run against --budget's 10x; the calibration text alone keeps 0.773x (docs/quantize.md).
+GEN_WORK = 1.5e12
+GEN_STEP = 4
 GEN_SEED = 20261206
 VERSION = 1  # of what is sampled and how; a change leaves older cached tokens unread
 
@@ -91,14 +100,22 @@ def generate(
         runner.close()
 
 
-def _cache_file(model_sha256: str) -> Path:
+def sequences_for(model_path: Path) -> int:
+    """How many sequences of GEN_CTX tokens error feedback has a model write (GEN_WORK over its weights)."""
+    from edgellm.gguf.layout import read_tensors
+
+    weights = sum(int(np.prod(t.shape)) for t in read_tensors(model_path).tensors)
+    return min(GEN_SEQS, int(GEN_WORK // (max(1, weights) * GEN_CTX)) // GEN_STEP * GEN_STEP)
+
+
+def _cache_file(model_sha256: str, n_seq: int) -> Path:
     import llama_cpp
 
     from edgellm.engine.backends import cpu_flags
 
     key = {
         "model": model_sha256,
-        "n_seq": GEN_SEQS,
+        "n_seq": n_seq,
         "n_ctx": GEN_CTX,
         "seed": GEN_SEED,
         "version": VERSION,
@@ -111,21 +128,24 @@ def _cache_file(model_sha256: str) -> Path:
 def written_tokens(
     model_path: Path,
     model_sha256: str,
+    n_seq: int,
     *,
     threads: Optional[int] = None,
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
 ) -> tuple[np.ndarray, bool]:
-    """`generate`'s tokens for this model, from the cache when an earlier job on this machine wrote them
+    """`generate`'s `n_seq` sequences for this model (none for 0), from the cache when an earlier job on this machine wrote them
     (then True), else written now and kept (a killed job leaves no partial file: written by rename)."""
-    cache = _cache_file(model_sha256)
+    if n_seq <= 0:
+        return np.empty(0, np.int32), False
+    cache = _cache_file(model_sha256, n_seq)
     try:
         tokens = np.load(cache, allow_pickle=False)
-        if tokens.dtype == np.int32 and tokens.shape == (GEN_SEQS * GEN_CTX,):
+        if tokens.dtype == np.int32 and tokens.shape == (n_seq * GEN_CTX,):
             return tokens, True
     except (OSError, ValueError, EOFError):  # absent, or not a whole array: written again
         pass
-    tokens = generate(model_path, threads=threads, on_progress=on_progress, cancel=cancel)
+    tokens = generate(model_path, n_seq=n_seq, threads=threads, on_progress=on_progress, cancel=cancel)
     try:
         with atomic_open(cache, "wb") as fh:
             np.save(fh, tokens, allow_pickle=False)

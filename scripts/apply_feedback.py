@@ -5,7 +5,7 @@
 
 Every matrix the quantized file holds in a type of quant.feedback.FED_BACK is rounded again from the base's
 values, column by column, with the inputs' covariance measured on the shipped calibration text and the tokens
-BASE writes itself (quant/selfgen.py; one pass of BASE over both, more where free RAM holds only some of the
+BASE writes itself (quant/selfgen.py, as many as --budget would have it write; one pass of BASE over both, more where free RAM holds only some of the
 covariances at once). The output has the same types, size
 and layout; it is written beside OUT and renamed when complete.
 The rounding is --budget's (quant.rounding.BUDGET). Used for docs/quantize.md's figures on files a --budget
@@ -31,12 +31,14 @@ def main() -> int:
     ap.add_argument("imatrix", type=Path)
     ap.add_argument("-o", "--output", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--sequences", type=int, default=None, help="sequences BASE writes (default: quant.selfgen.sequences_for)")
     args = ap.parse_args()
     from edgellm.errors import EdgeLLMError, one_line
     from edgellm.fsutil import atomic_path, sha256_file
     from edgellm.gguf.layout import read_tensors
     from quant import feedback, rounding
     from quant.imatrix_file import read_imatrix
+    from quant.selfgen import sequences_for
 
     try:
         tensor_types = [(f"^{t.name}$", t.type_name) for t in read_tensors(args.quantized).tensors]
@@ -44,6 +46,7 @@ def main() -> int:
         run, timing = feedback.prepare(
             args.base, tensor_types, read_imatrix(args.imatrix), rounding.BUDGET,
             model_sha256=sha256_file(args.base), threads=args.threads,
+            sequences=sequences_for(args.base) if args.sequences is None else args.sequences,
         )  # fmt: skip
         with atomic_path(args.output) as tmp:
             shutil.copyfile(args.quantized, tmp)

@@ -13,6 +13,8 @@ from edgellm.gguf.layout import read_tensors
 from support.helpers import refused
 from support.quant_fixtures import F16_NAME, f16_model, f16_session  # noqa: F401 (fixtures)
 
+from quant.selfgen import GEN_SEQS
+
 
 def _correlated_inputs(rng: np.random.Generator, n: int, cols: int) -> np.ndarray:
     # activations whose channels share a few directions and differ in scale, as a transformer's do
@@ -77,7 +79,9 @@ def test_feedback_lowers_the_output_error_on_inputs_it_never_saw(type_name):
     assert on_cal < 0.8 and on_held < 0.85, (type_name, on_cal, on_held)
 
 
-def test_budget_with_error_feedback_is_reproduced_by_its_recipe(cli, f16_model, session_imatrix, edgellm_home, monkeypatch):
+def test_budget_with_error_feedback_is_reproduced_by_its_recipe(
+    cli, f16_model, session_imatrix, edgellm_home, monkeypatch, tmp_path
+):
     common = ["--exclude-types", "q4_1", "--imatrix", str(session_imatrix), "--threads", "2", "--json"]
     res = cli("quantize", F16_NAME, "--budget", "95MB", "--error-feedback", *common)
     assert res.exit_code == 0, res
@@ -89,6 +93,8 @@ def test_budget_with_error_feedback_is_reproduced_by_its_recipe(cli, f16_model, 
     assert fs["tokens_cached"] == 0 and len(list((edgellm_home / "selfgen").glob("*.npy"))) == 1
     recipe = json.loads(Path(out["recipe_file"]).read_text())
     assert recipe["feedback"] is True and recipe["feedback_seconds"] == fs  # the saved recipe has the job's timing
+    # the default model writes all its sequences (quant/selfgen.py: a wider one fewer), and the recipe says how many
+    assert recipe["feedback_sequences"] == fs["sequences"] == GEN_SEQS
     plain = cli("quantize", F16_NAME, "--budget", "95MB", *common).json()[0]
     # the same types (the search does not know about feedback), other bytes
     assert plain["tensor_types"] == out["tensor_types"] and plain["size_bytes"] == out["size_bytes"]
@@ -112,6 +118,20 @@ def test_budget_with_error_feedback_is_reproduced_by_its_recipe(cli, f16_model, 
     msg = refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", out["recipe_file"], "--force", *common[2:])
     assert "error feedback needs" in msg and "wide inputs of " in msg and "without --error-feedback" in msg
     monkeypatch.delenv("EDGELLM_FAKE_AVAILABLE_RAM")
+    # a model too large to write tokens of its own (quant/selfgen.py's sequences_for: none from ~1.4B weights) is fed
+    # back from the calibration text alone: the rewritten matrices still change, and no tokens are written or read
+    fed = [p for p, t in recipe["tensor_types"] if t in ("Q8_0", "Q6_K", "Q5_1", "Q5_0", "Q4_0")][:2]
+    types = [[p, t if p in fed else "IQ4_NL"] for p, t in recipe["tensor_types"]]
+    for fb in (True, False):
+        Path(tmp_path / f"few-{fb}.json").write_text(
+            json.dumps(dict(recipe, tensor_types=types, feedback=fb, feedback_sequences=0, file=""))
+        )
+    few = cli("quantize", F16_NAME, "--recipe", str(tmp_path / "few-True.json"), *common[2:]).json()[0]
+    none = cli("quantize", F16_NAME, "--recipe", str(tmp_path / "few-False.json"), *common[2:]).json()[0]
+    assert len(fed) == 2 and few["size_bytes"] == none["size_bytes"] and few["sha256"] != none["sha256"]
+    f = few["feedback_seconds"]
+    assert f["sequences"] == 0 and f["tokens"] == 0 and f["matrices"] == 2 and f["inputs"] > 0
+    assert len(list((edgellm_home / "selfgen").glob("*.npy"))) == 1
     # the recipe needs the matrix it rounds with; the flag needs --budget
     assert "add --imatrix" in refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", out["recipe_file"], "--force")
     assert "goes with --budget" in refused(cli, edgellm_home, "quantize", F16_NAME, "-l", "q4_0", "--error-feedback")

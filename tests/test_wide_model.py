@@ -63,6 +63,16 @@ def test_factor_2_doubles_every_unit_and_passes_its_own_check(wide_x2, default_g
     assert rel <= 1e-3 and "the same function" in line
 
 
+def test_a_wider_model_writes_fewer_tokens_of_its_own_for_error_feedback(wide_x2, default_gguf):
+    """quant/selfgen.py gives each model the forward work the default model's sequences take: the x2 model (4x its
+    matrices' weights) writes fewer, in whole steps, and none would come from x4 (1.93B; docs/quantize.md)."""
+    from quant.selfgen import GEN_SEQS, GEN_STEP, sequences_for
+
+    assert sequences_for(default_gguf) == GEN_SEQS
+    x2 = sequences_for(wide_x2[0])
+    assert 0 < x2 < GEN_SEQS and x2 % GEN_STEP == 0
+
+
 def test_factor_2_gives_the_base_reply_at_temperature_0(wide_x2, f16_session, cli_subprocess):
     base_f16 = f16_session[0].path
     for prompt in PROMPTS:

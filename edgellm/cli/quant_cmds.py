@@ -146,8 +146,13 @@ def quantize_cmd(
             )
         elif recipe.feedback:
             click.echo(
-                f"  error feedback: {int(fs.get('matrices', 0))} matrices (tokens "
-                + ("read back from an earlier job" if fs.get("tokens_cached") else f"written {fs.get('tokens', 0):.1f} s")
+                f"  error feedback: {int(fs.get('matrices', 0))} matrices ("
+                + (
+                    "the calibration text alone: the model is too large to write tokens of its own"
+                    if not fs.get("sequences")
+                    else f"{int(fs['sequences'])} sequences of its own "
+                    + ("read back from an earlier job" if fs.get("tokens_cached") else f"written {fs.get('tokens', 0):.1f} s")
+                )
                 + ", "
                 f"inputs {fs.get('inputs', 0):.1f} s"
                 + (f" in {int(fs['passes'])} passes" if fs.get("passes", 1) > 1 else "")
