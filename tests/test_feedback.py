@@ -202,11 +202,12 @@ def test_a_recipe_with_no_fed_back_type_writes_no_tokens_and_leaves_the_file(f16
     from quant.imatrix_file import read_imatrix
 
     run, timing = feedback.prepare(
-        f16_model.path, [(".*", "Q4_K")], read_imatrix(session_imatrix), rounding.BUDGET, model_sha256="0" * 64, threads=1
-    )
+        f16_model.path, [(".*", "Q4_K")], read_imatrix(session_imatrix), rounding.BUDGET, model_sha256="0" * 64,
+        sequences=GEN_SEQS, threads=1,
+    )  # fmt: skip
     out = tmp_path / "quantized.gguf"
     out.write_bytes(b"as llama.cpp wrote it")
     run(out)
     assert out.read_bytes() == b"as llama.cpp wrote it"
-    assert timing["passes"] == 0 and timing["tokens"] == 0 and timing["matrices"] == 0
+    assert timing["passes"] == 0 and timing["tokens"] == 0 and timing["matrices"] == 0 and timing["sequences"] == 0
     assert not (edgellm_home / "selfgen").exists()
