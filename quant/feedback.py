@@ -468,7 +468,7 @@ def prepare(
     passes = plan_passes(cols, available_ram() - HEADROOM, base_path.stat().st_size)
     imp = {n: e.normalized().astype(np.float32) for n, e in imatrix.entries.items()}
     timing = {"tokens": 0.0, "tokens_cached": 0.0, "inputs": 0.0, "rewrite": 0.0, "matrices": 0.0, "passes": float(len(passes))}
-    timing["sequences"] = float(sequences if passes else 0)
+    timing["sequences"] = float(sequences if passes else 0)  # no pass writes no tokens
 
     def run(tmp: Path) -> None:
         from quant.selfgen import written_tokens

@@ -70,7 +70,7 @@ class Recipe:
     # the sequences the model wrote for feedback's inputs (quant/selfgen.py); None: a recipe from before the count
     # followed the model's size, when every model wrote GEN_SEQS
     feedback_sequences: Optional[int] = None
-    # "tokens" (quant/selfgen.py), "inputs" (the pass), "rewrite"; "matrices", "passes"
+    # "tokens" (quant/selfgen.py), "inputs" (the pass), "rewrite"; "matrices", "passes", "sequences"
     feedback_seconds: dict[str, float] = field(default_factory=dict)
     file: str = ""  # where it is saved
 
@@ -250,9 +250,10 @@ class RecipeJob:
 
         if imatrix is None:
             raise UsageError("the recipe was made with error feedback, which rounds with an importance matrix: add --imatrix")
+        sequences = GEN_SEQS if recipe.feedback_sequences is None else recipe.feedback_sequences
         rewrite, recipe.feedback_seconds = prepare(
             self.src.path, recipe.tensor_types, imatrix.matrix, recipe.rounding, model_sha256=model_sha256(self.src.resolved),
-            sequences=GEN_SEQS if recipe.feedback_sequences is None else recipe.feedback_sequences, threads=self.threads, on_progress=self.on_progress, cancel=self.cancel,
+            sequences=sequences, threads=self.threads, on_progress=self.on_progress, cancel=self.cancel,
         )  # fmt: skip
         return rewrite
 

@@ -134,8 +134,8 @@ def written_tokens(
     on_progress: ProgressCallback = no_progress,
     cancel: Optional[CancelToken] = None,
 ) -> tuple[np.ndarray, bool]:
-    """`generate`'s `n_seq` sequences for this model (none for 0), from the cache when an earlier job on this machine wrote them
-    (then True), else written now and kept (a killed job leaves no partial file: written by rename)."""
+    """`generate`'s `n_seq` sequences for this model (none for 0), from the cache when an earlier job on this
+    machine wrote them (then True), else written now and kept (a killed job leaves no partial file: written by rename)."""
     if n_seq <= 0:
         return np.empty(0, np.int32), False
     cache = _cache_file(model_sha256, n_seq)
