@@ -446,9 +446,12 @@ def quantize_to_budget(
     store: Optional[Store] = None,
     on_progress: Optional[ProgressCallback] = None,
     cancel: Optional[CancelToken] = None,
-    feedback: bool = False,
+    feedback: Optional[bool] = None,
 ) -> tuple[QuantizeResult, Recipe]:
     """`--budget SIZE`: search the per-tensor types, save them as a recipe, quantize with them.
+
+    `feedback`: error feedback on the matrices it rewrites (quant/feedback.py); None, the default, feeds back
+    where free RAM holds its covariances and says in the recipe why not elsewhere; True refuses without the RAM.
 
     Returns (QuantizeResult, recipe); the recipe carries `search_seconds`
     (measurement and allocation) apart from the result's quantization time.
@@ -465,13 +468,14 @@ def quantize_to_budget(
     # an imatrix first: the search measures with it and the quantization uses it
     choice = job.imatrix(imatrix or "auto")
     recipe = plan(job.src, choice, b, exclude=exclude, cancel=cancel, on_progress=on_progress, threads=threads)
-    recipe.model, recipe.imatrix, recipe.feedback = resolved.label, choice.lineage(), feedback
-    if feedback:
+    recipe.model, recipe.imatrix, recipe.feedback = resolved.label, choice.lineage(), feedback is not False
+    rewrite = None
+    if recipe.feedback:
         from quant.selfgen import sequences_for
 
         recipe.feedback_sequences = sequences_for(resolved.path)
-    rewrite = job.feedback(recipe, choice) if feedback else None
-    label = "budget-" + re.sub(r"[^a-z0-9.]", "", budget.lower()) + ("-fb" if feedback else "")
+        rewrite = job.feedback(recipe, choice, short_ram="ask" if feedback else "skip")
+    label = "budget-" + re.sub(r"[^a-z0-9.]", "", budget.lower()) + ("-fb" if recipe.feedback else "")
     jpath = recipes_folder() / f"{base_name(resolved, info)}-{label}.json"
     recipe.file = str(jpath)
     lineage: dict[str, Any] = {

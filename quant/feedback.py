@@ -419,9 +419,8 @@ def pass_plan(cols: dict[str, int], room: int) -> list[list[str]]:
     if _cov_bytes(widths[widest]) + transient > room:
         raise InsufficientResources(
             f"error feedback needs {human_size(_cov_bytes(widths[widest]) + transient)} of free RAM for "
-            f"the {widths[widest]}-wide inputs of {widest.removesuffix('.weight')}, and has {human_size(max(0, room))}: "
-            "free some memory, or quantize without --error-feedback"
-        )
+            f"the {widths[widest]}-wide inputs of {widest.removesuffix('.weight')}, and has {human_size(max(0, room))}"
+        )  # the caller says what to do: a --budget job goes on without, a feedback recipe cannot
     groups: list[list[str]] = [[]]
     used = 0
     for k, c in widths.items():

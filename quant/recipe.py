@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from edgellm import paths
-from edgellm.errors import QuantizeError, UsageError
+from edgellm.errors import InsufficientResources, QuantizeError, UsageError
 from edgellm.gguf.layout import model_matmul_widths
 from edgellm.models.store import Store
 from edgellm.progress import CancelToken, ProgressCallback, no_progress
@@ -72,6 +72,8 @@ class Recipe:
     feedback_sequences: Optional[int] = None
     # "tokens" (quant/selfgen.py), "inputs" (the pass), "rewrite"; "matrices", "passes", "sequences"
     feedback_seconds: dict[str, float] = field(default_factory=dict)
+    # why a --budget job left feedback out where it is the default (too little free RAM for its covariances)
+    feedback_skipped: str = ""
     file: str = ""  # where it is saved
 
     def to_json(self) -> dict[str, Any]:
@@ -242,8 +244,14 @@ class RecipeJob:
 
         return choose_imatrix(ref, self.src.resolved, store=self.store, on_progress=self.on_progress, cancel=self.cancel)
 
-    def feedback(self, recipe: Recipe, imatrix: Optional[ImatrixChoice]) -> Callable[[Path], None]:
-        """The error-feedback rewrite for this recipe's file (its inputs measured now); it needs the matrix."""
+    def feedback(
+        self, recipe: Recipe, imatrix: Optional[ImatrixChoice], *, short_ram: str = "refuse"
+    ) -> Optional[Callable[[Path], None]]:
+        """The error-feedback rewrite for this recipe's file (its inputs measured now); it needs the matrix.
+
+        Where free RAM cannot hold the widest input's covariance, `short_ram` says what happens: "refuse" (a
+        recipe made with feedback: its bytes need it), "ask" (refuse, naming --no-error-feedback: the user asked
+        for it), or "skip" (feedback is --budget's default: the job goes on without it, and the recipe says why)."""
         from quant.feedback import prepare  # numpy and the calibration pass: only with feedback
         from quant.imatrix import model_sha256
         from quant.selfgen import GEN_SEQS
@@ -251,10 +259,19 @@ class RecipeJob:
         if imatrix is None:
             raise UsageError("the recipe was made with error feedback, which rounds with an importance matrix: add --imatrix")
         sequences = GEN_SEQS if recipe.feedback_sequences is None else recipe.feedback_sequences
-        rewrite, recipe.feedback_seconds = prepare(
-            self.src.path, recipe.tensor_types, imatrix.matrix, recipe.rounding, model_sha256=model_sha256(self.src.resolved),
-            sequences=sequences, threads=self.threads, on_progress=self.on_progress, cancel=self.cancel,
-        )  # fmt: skip
+        try:
+            rewrite, recipe.feedback_seconds = prepare(
+                self.src.path, recipe.tensor_types, imatrix.matrix, recipe.rounding, model_sha256=model_sha256(self.src.resolved),
+                sequences=sequences, threads=self.threads, on_progress=self.on_progress, cancel=self.cancel,
+            )  # fmt: skip
+        except InsufficientResources as e:
+            if short_ram == "skip":
+                recipe.feedback, recipe.feedback_sequences, recipe.feedback_skipped = False, None, str(e)
+                return None
+            advice = (
+                ", or quantize with --no-error-feedback" if short_ram == "ask" else " (the recipe was made with error feedback)"
+            )
+            raise InsufficientResources(f"{e}: free some memory{advice}") from None
         return rewrite
 
     def quantize(

@@ -15,8 +15,9 @@ calibration text), ctx 512, --chunks (>= 40):
 4. --budget at each stock level's file size (Q2_K, Q3_K_M, Q4_0, Q4_K_M):
    size and mean KLD, all types allowed and with q4_1,q5_1 excluded, as a ratio
    to `llama-quantize --imatrix` at that level with the same matrix (goal
-   <= 0.8), with the search's cost apart from the quantization's; with
-   --error-feedback, the excluded ones again with feedback (--only-budget:
+   <= 0.8), with the search's cost apart from the quantization's (each
+   `--budget --no-error-feedback`: the search alone); with --error-feedback,
+   the excluded ones again with feedback, --budget's default (--only-budget:
    this part alone, with the KLDs its ratios are to);
 5. --recipe speed: `quantize --recipe` vs `llama-quantize --tensor-type-file`
    with the same per-tensor types and threads, median of --runs (goal <= 1.03).
@@ -236,7 +237,7 @@ def gridless_figures(env: dict, q4_1_path: str, factor: int, tools: Path, work: 
 
         th = threading.Thread(target=sample, daemon=True)
         th.start()
-        r = quantize(env, name, t, "--budget", str(size), "--imatrix", im, "--force")[0]
+        r = quantize(env, name, t, "--budget", str(size), "--imatrix", im, "--force", "--no-error-feedback")[0]
         stop.set()
         th.join()
         extra = max(0, peak[0] - before - r["size_bytes"])
@@ -303,7 +304,7 @@ def budget_figures(env: dict, base: str, t: str, imat: str, stock: dict, withm: 
         size = stock[lv]["size_bytes"]
         for excl in ("", "q4_1,q5_1"):  # q5_1's grid holds q4_1's: both go for the fair figure
             exclude = ["--exclude-types", excl] if excl else []
-            runs = [("", [])] + ([("-fb", ["--error-feedback"])] if args.error_feedback and excl else [])
+            runs = [("", ["--no-error-feedback"])] + ([("-fb", ["--error-feedback"])] if args.error_feedback and excl else [])
             for tag, extra in runs:
                 r = quantize(env, base, t, "--budget", str(size), "--imatrix", imat, "--force", *exclude, *extra)[0]
                 # the two runs share a name (budget-<bytes>): keep the first under another name by evaluating it now
@@ -361,8 +362,8 @@ def main() -> int:
     ap.add_argument(
         "--error-feedback",
         action="store_true",
-        help="also each --budget file with --error-feedback (same types), evaluated beside it (on the grid base, "
-        "the q4_1,q5_1-excluded ones)",
+        help="also each --budget file with error feedback, --budget's default (same types), evaluated beside the "
+        "--no-error-feedback one (on the grid base, the q4_1,q5_1-excluded ones)",
     )
     ap.add_argument(
         "--work",
@@ -399,7 +400,7 @@ def main() -> int:
         return report(fig, args)
     if args.only_speed:
         size = quantize(env, base, t, "-l", "q4_k_m")[0]["size_bytes"]
-        r = quantize(env, base, t, "--budget", str(size), "--exclude-types", "q4_1,q5_1")[0]
+        r = quantize(env, base, t, "--budget", str(size), "--exclude-types", "q4_1,q5_1", "--no-error-feedback")[0]
         fig["recipe_speed"] = recipe_speed(env, base, f16_path, r["recipe_file"], tools, work, args)
         return report(fig, args)
 

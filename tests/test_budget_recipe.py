@@ -79,10 +79,11 @@ def test_budget_fits_records_its_recipe_and_the_recipe_reproduces_it(
         "--threads",
         "2",
         "--json",
+        "--no-error-feedback",  # llama-quantize reproduces its file below; one fed back it cannot
     )
     assert res.exit_code == 0, res
     out = res.json()[0]
-    assert out["name"] == "smollm2-135m-instruct-budget-90mb"
+    assert out["name"] == "smollm2-135m-instruct-budget-90mb" and out["error_feedback"] is False
     assert out["size_bytes"] <= budget and out["size_bytes"] > 0.97 * budget  # the budget is used, not wasted
     assert "Q4_1" not in out["tensor_types"]
     assert out["search_seconds"] > 0 and out["quantize_seconds"] > 0
@@ -238,6 +239,8 @@ def test_kill_9_during_budget_search_leaves_nothing(cli, f16_model, session_imat
     proc.wait()
     from edgellm.models.store import Store
 
+    # the name it would have had, with error feedback (the default) and without
+    assert Store().find("smollm2-135m-instruct-budget-90mb-fb") is None
     assert Store().find("smollm2-135m-instruct-budget-90mb") is None
     assert not list(edgellm_home.rglob("*.partial"))
     assert not (edgellm_home / "recipes").exists() or not list((edgellm_home / "recipes").iterdir())

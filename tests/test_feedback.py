@@ -1,5 +1,5 @@
 """Error feedback (quant/feedback.py): its block layouts are ggml's own, it lowers a matmul's output error on
-inputs it never saw, and `--budget --error-feedback` writes a file its recipe reproduces."""
+inputs it never saw, and `--budget` (feedback is its default) writes a file its recipe reproduces."""
 
 from __future__ import annotations
 
@@ -83,11 +83,11 @@ def test_budget_with_error_feedback_is_reproduced_by_its_recipe(
     cli, f16_model, session_imatrix, edgellm_home, monkeypatch, tmp_path
 ):
     common = ["--exclude-types", "q4_1", "--imatrix", str(session_imatrix), "--threads", "2", "--json"]
-    res = cli("quantize", F16_NAME, "--budget", "95MB", "--error-feedback", *common)
+    res = cli("quantize", F16_NAME, "--budget", "95MB", *common)  # feedback is --budget's default
     assert res.exit_code == 0, res
     out = res.json()[0]
     assert out["name"] == "smollm2-135m-instruct-budget-95mb-fb" and out["size_bytes"] <= 95_000_000
-    assert out["error_feedback"] is True
+    assert out["error_feedback"] is True and out["feedback_skipped"] == ""
     fs = out["feedback_seconds"]
     assert fs["matrices"] > 100 and fs["tokens"] > 0 and fs["inputs"] > 0 and fs["rewrite"] > 0
     assert fs["tokens_cached"] == 0 and len(list((edgellm_home / "selfgen").glob("*.npy"))) == 1
@@ -95,7 +95,8 @@ def test_budget_with_error_feedback_is_reproduced_by_its_recipe(
     assert recipe["feedback"] is True and recipe["feedback_seconds"] == fs  # the saved recipe has the job's timing
     # the default model writes all its sequences (quant/selfgen.py: a wider one fewer), and the recipe says how many
     assert recipe["feedback_sequences"] == fs["sequences"] == GEN_SEQS
-    plain = cli("quantize", F16_NAME, "--budget", "95MB", *common).json()[0]
+    plain = cli("quantize", F16_NAME, "--budget", "95MB", "--no-error-feedback", *common).json()[0]
+    assert plain["name"] == "smollm2-135m-instruct-budget-95mb" and plain["error_feedback"] is False
     # the same types (the search does not know about feedback), other bytes
     assert plain["tensor_types"] == out["tensor_types"] and plain["size_bytes"] == out["size_bytes"]
     assert plain["sha256"] != out["sha256"]
@@ -116,7 +117,19 @@ def test_budget_with_error_feedback_is_reproduced_by_its_recipe(
     # too little RAM for even the widest input: refused before anything is quantized
     monkeypatch.setenv("EDGELLM_FAKE_AVAILABLE_RAM", str(HEADROOM + 1_000_000))
     msg = refused(cli, edgellm_home, "quantize", F16_NAME, "--recipe", out["recipe_file"], "--force", *common[2:])
-    assert "error feedback needs" in msg and "wide inputs of " in msg and "without --error-feedback" in msg
+    assert "error feedback needs" in msg and "wide inputs of " in msg and "the recipe was made with error feedback" in msg
+    # a --budget job that asked for it is refused alike, and says how to go without ...
+    msg = refused(cli, edgellm_home, "quantize", F16_NAME, "--budget", "95MB", "--error-feedback", "--force", *common[:-1])
+    assert "error feedback needs" in msg and "or quantize with --no-error-feedback" in msg
+    # ... and one that left it to the default goes on without: the plain file, and it says why
+    short = cli("quantize", F16_NAME, "--budget", "95MB", "--force", *common)
+    assert short.exit_code == 0, short
+    s = short.json()[0]
+    assert s["error_feedback"] is False and "error feedback needs" in s["feedback_skipped"]
+    assert s["name"] == plain["name"] and s["sha256"] == plain["sha256"]
+    assert json.loads(Path(s["recipe_file"]).read_text())["feedback_skipped"] == s["feedback_skipped"]
+    text = cli("quantize", F16_NAME, "--budget", "95MB", "--force", "--no-progress", *common[:-1])
+    assert text.exit_code == 0 and "error feedback: left out (error feedback needs" in text.stdout, text
     monkeypatch.delenv("EDGELLM_FAKE_AVAILABLE_RAM")
     # a model too large to write tokens of its own (quant/selfgen.py's sequences_for: none from ~1.4B weights) is fed
     # back from the calibration text alone: the rewritten matrices still change, and no tokens are written or read

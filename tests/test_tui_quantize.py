@@ -17,12 +17,16 @@ from edgellm.models.store import Store
 
 
 async def _budget_mode(pilot, app, budget: str, exclude: str = "") -> None:
-    """Base: the F16; `m` to the budget mode; type the budget and the excluded types."""
+    """Base: the F16; `m` to the budget mode; type the budget and the excluded types; error feedback cleared
+    (ticked by default, as the CLI feeds back by default: it would add minutes to each search here)."""
     scr = app.screen
     scr.query_one("#quant-base").value = F16_NAME
     await settled(pilot)
     await pilot.press("m")
     await settled(pilot)
+    box = scr.query_one("#quant-feedback")
+    assert box.value is True and box.display
+    box.value = False
     scr.query_one("#quant-budget").focus()
     await type_text(pilot, budget)
     if exclude:
@@ -216,7 +220,7 @@ def test_fresh_store_to_budget_file_and_frontier_through_keys(edgellm_home, cli)
     # the CLI's own run writes the same store entry again (--force), from the matrix the TUI computed
     res = cli(
         "quantize", F16_NAME, "--budget", "88MB", "--exclude-types", "q4_1", "--imatrix", "auto", "--force", "--json",
-        "--no-progress",
+        "--no-progress", "--no-error-feedback",
     )  # fmt: skip
     assert res.exit_code == 0, res.stderr
     assert res.json()[0]["name"] == budget_name

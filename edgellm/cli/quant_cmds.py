@@ -54,10 +54,13 @@ _force_option = click.option("--force", is_flag=True, help="Replace an existing 
 )
 @click.option("--exclude-types", default="", metavar="LIST", help="Types --budget may not use (comma-separated, e.g. q4_1).")
 @click.option(
-    "--error-feedback",
-    is_flag=True,
-    help="With --budget: round the matrices it puts in Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q6_K column by column, feeding "
-    "each column's error forward (GPTQ), from one more pass over the calibration text. Same size, lower KLD.",
+    "--error-feedback/--no-error-feedback",
+    default=None,
+    help="With --budget (on by default where free RAM allows): round the matrices it puts in Q4_0/Q4_1/Q5_0/Q5_1/"
+    "Q8_0/Q6_K column by column, feeding each column's error forward (GPTQ), from one more pass over the "
+    "calibration text. Same size, lower KLD, a slower job. --no-error-feedback: a faster job whose file "
+    "llama-quantize reproduces from the recipe's .txt (the rounding line says how); --error-feedback: refuse "
+    "rather than go without.",
 )
 @click.option(
     "--recipe",
@@ -96,10 +99,11 @@ def quantize_cmd(
       edgellm quantize smollm2-135m-instruct-f16 -l q4_0 -l q8_0 --json
       edgellm quantize smollm2-135m-instruct-f16 -l q4_k_m -l iq2_xs --imatrix auto
       edgellm quantize smollm2-135m-instruct-f16 --budget 90MB --exclude-types q4_1
+      edgellm quantize smollm2-135m-instruct-f16 --budget 4.5bpw --no-error-feedback
     """
     from quant.quantize import describe, quantize  # its worker is already starting (edgellm.cli: prestart)
 
-    if error_feedback and budget is None:
+    if error_feedback is not None and budget is None:
         raise UsageError("--error-feedback goes with --budget (a recipe made with it applies it itself)")
     if budget is not None or recipe_file is not None:
         if levels:
@@ -130,6 +134,7 @@ def quantize_cmd(
                         "rounding": recipe.rounding,
                         "error_feedback": recipe.feedback,
                         "feedback_seconds": recipe.feedback_seconds,
+                        "feedback_skipped": recipe.feedback_skipped,
                     }
                 ]
             )
@@ -140,7 +145,9 @@ def quantize_cmd(
         click.echo(f"  recipe: {recipe.file} (search {recipe.search_seconds:.1f} s, quantization {r.quantize_seconds:.1f} s)")
         click.echo(f"  rounding: {rounding_text(recipe.rounding)}")
         fs = recipe.feedback_seconds
-        if recipe.feedback and not fs.get("passes"):
+        if recipe.feedback_skipped:
+            click.echo(f"  error feedback: left out ({recipe.feedback_skipped}); the file is llama.cpp's rounding")
+        elif recipe.feedback and not fs.get("passes"):
             click.echo(
                 "  error feedback: none of this recipe's matrices is in a type it rewrites; the file is llama.cpp's rounding"
             )

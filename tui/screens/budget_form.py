@@ -80,15 +80,19 @@ def recipe_error(base: str, recipe: str) -> Optional[str]:
     return None
 
 
-def run_budget(base: str, budget: str, exclude: Sequence[str], imatrix: str, recipe: str = "", **kw: Any):
-    """`edgellm quantize BASE --budget B --exclude-types ... --imatrix I`, or `--recipe FILE` when one is picked."""
+def run_budget(
+    base: str, budget: str, exclude: Sequence[str], imatrix: str, recipe: str = "", *, feedback: bool = True, **kw: Any
+):
+    """`edgellm quantize BASE --budget B --exclude-types ... --imatrix I` (with `--no-error-feedback` when the box
+    is cleared), or `--recipe FILE` when one is picked (a recipe says itself whether it feeds back)."""
     if recipe:
         from quant.recipe import apply_recipe
 
         return apply_recipe(base, recipe, imatrix=imatrix or None, **kw)
     from quant.budget import quantize_to_budget
 
-    return quantize_to_budget(base, budget=budget, exclude=list(exclude), imatrix=imatrix or None, **kw)
+    fb = None if feedback else False  # ticked: the CLI's default, which goes on without where RAM is short
+    return quantize_to_budget(base, budget=budget, exclude=list(exclude), imatrix=imatrix or None, feedback=fb, **kw)
 
 
 def run_level(base: str, level: str, imatrix: str, *, allow_requantize: bool, **kw: Any) -> list[Any]:
@@ -147,6 +151,10 @@ def describe_budget(res: Any, recipe: Any) -> str:
     """The result row's note: predicted vs measured size and the recipe's name."""
     from pathlib import Path
 
+    fed = f", error feedback on {int(recipe.feedback_seconds.get('matrices', 0))} matrices" if recipe.feedback else ""
+    if recipe.feedback_skipped:
+        fed = ", error feedback left out (too little free RAM)"
     return (
-        f"predicted {human_size(recipe.predicted_bytes)}, measured {human_size(res.size_bytes)}, recipe {Path(recipe.file).name}"
+        f"predicted {human_size(recipe.predicted_bytes)}, measured {human_size(res.size_bytes)}, "
+        f"recipe {Path(recipe.file).name}{fed}"
     )

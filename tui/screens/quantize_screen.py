@@ -57,6 +57,7 @@ class Job:
     exclude: list[str] = field(default_factory=list)
     imatrix: str = budget_form.IMATRIX_NONE
     recipe: str = ""  # a saved recipe's file, applied instead of a search
+    feedback: bool = True  # a search's file rounded with error feedback where RAM allows (the CLI's default)
 
     @property
     def label(self) -> str:
@@ -114,6 +115,12 @@ class QuantizeScreen(BaseScreen):
                     yield Label("Exclude types")
                     yield Input("", placeholder="q4_1,q5_1", id="quant-exclude")
                     yield Static("", id="quant-exclude-why", markup=False)
+                    yield CheckBox(
+                        "Error feedback",
+                        value=True,
+                        id="quant-feedback",
+                        tooltip="lower KLD at the same size, a slower job; cleared: --no-error-feedback",
+                    )
                     yield Label("Saved recipe")
                     yield Select([(budget_form.SEARCH_LABEL, "")], id="quant-recipe", allow_blank=False, value="")
                     yield Static("", id="quant-cost", markup=False)
@@ -274,7 +281,8 @@ class QuantizeScreen(BaseScreen):
         self._hint("#quant-budget-err", err or "")
         if err:
             return
-        self.queue_job(str(base), "budget", budget=budget, exclude=exclude, imatrix=imatrix, recipe=recipe)
+        feedback = self.query_one("#quant-feedback", CheckBox).value
+        self.queue_job(str(base), "budget", budget=budget, exclude=exclude, imatrix=imatrix, recipe=recipe, feedback=feedback)
 
     def queue_job(self, base: str, level: str, *, allow_requantize: bool = False, **budget) -> Job:
         job = Job(next(self._ids), base, level, self.app.new_token(), allow_requantize=allow_requantize, **budget)
@@ -336,6 +344,7 @@ class QuantizeScreen(BaseScreen):
                 job.exclude,
                 job.imatrix,
                 job.recipe,
+                feedback=job.feedback,
                 on_progress=on_progress,
                 cancel=job.token,
                 token=job.token,
