@@ -1,7 +1,8 @@
 """What a `--budget` search will cost before it runs: the importance matrix it
 would use (stored, or computed first), how many of its probes are cached for
 that base and matrix, and how long the searches this machine already ran
-suggest it takes.
+suggest it takes, with the error feedback that follows by default (as the
+base's last fed-back job took it).
 
 The estimate is only ever taken from this machine's own saved recipes (their
 search seconds, probe seconds and probe counts), never from a constant: the
@@ -28,6 +29,9 @@ class SearchCost:
     probes_cached: int
     estimate_seconds: Optional[float]
     basis: str  # the past search the estimate scales, or why there is none
+    # error feedback after the search (--budget's default), as this base's last fed-back job took it; None: none yet
+    feedback_seconds: Optional[float] = None
+    feedback_basis: str = ""
 
     def describe(self) -> str:
         parts = [
@@ -38,6 +42,8 @@ class SearchCost:
             parts.append(f"search ~{_duration(self.estimate_seconds)} ({self.basis})")
         else:
             parts.append(f"time unknown: {self.basis}")
+        if self.feedback_seconds is not None:
+            parts.append(f"then error feedback ~{_duration(self.feedback_seconds)} ({self.feedback_basis})")
         return "; ".join(parts)
 
 
@@ -60,9 +66,9 @@ def search_cost(base: str, imatrix: str = "auto", *, store: Optional[Store] = No
     cached = 0
     if matrix is not None:
         cached = len(sensitivity.load_results(sensitivity.cache_key(model_sha, sha256_file(matrix.path), rounding.BUDGET)))
-    for saved in list_recipes():  # newest first: the latest search of this base on this machine
-        if saved.model != src.label:
-            continue
+    mine = [saved for saved in list_recipes() if saved.model == src.label]  # newest first, this base's on this machine
+    feedback = _feedback(mine, model_sha)
+    for saved in mine:
         try:
             past = load_recipe(saved.path)
             cal, search_s = past.calibration, float(past.search_seconds)
@@ -75,6 +81,27 @@ def search_cost(base: str, imatrix: str = "auto", *, store: Optional[Store] = No
         todo = max(0, measured + before - cached)
         estimate = max(0.0, search_s - probe_s) + per_probe * todo
         return SearchCost(
-            matrix.name if matrix else None, cached, estimate, f"{todo} probes at {per_probe:.1f} s, as in {saved.path.stem}"
-        )
-    return SearchCost(matrix.name if matrix else None, cached, None, "no search of this base on this machine yet")
+            matrix.name if matrix else None, cached, estimate, f"{todo} probes at {per_probe:.1f} s, as in {saved.path.stem}",
+            *feedback,
+        )  # fmt: skip
+    return SearchCost(matrix.name if matrix else None, cached, None, "no search of this base on this machine yet", *feedback)
+
+
+def _feedback(mine: list, model_sha: str) -> tuple[Optional[float], str]:
+    """Error feedback's seconds as the newest fed-back job of this base took them: its pass and rewrite, and its
+    tokens only if they are not cached now (quant/selfgen.py keeps them for the next job)."""
+    for saved in mine:
+        try:
+            past = load_recipe(saved.path)
+            fs = {k: float(v) for k, v in past.feedback_seconds.items()}
+        except (EdgeLLMError, TypeError, ValueError):
+            continue
+        if not past.feedback or not fs.get("passes"):
+            continue  # plain, or nothing fed back: says nothing about feedback's cost
+        seconds = fs.get("inputs", 0.0) + fs.get("rewrite", 0.0)
+        if fs.get("sequences") and not fs.get("tokens_cached"):
+            from quant.selfgen import tokens_kept  # numpy and llama_cpp: only once a fed-back job is on record
+
+            seconds += 0.0 if tokens_kept(model_sha, int(fs["sequences"])) else fs.get("tokens", 0.0)
+        return seconds, f"as in {saved.path.stem}"
+    return None, ""

@@ -125,6 +125,11 @@ def _cache_file(model_sha256: str, n_seq: int) -> Path:
     return paths.home() / "selfgen" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24] + ".npy")
 
 
+def tokens_kept(model_sha256: str, n_seq: int) -> bool:
+    """Whether an earlier job on this machine kept this model's `n_seq` sequences (the next job reads them back)."""
+    return _cache_file(model_sha256, n_seq).is_file()
+
+
 def written_tokens(
     model_path: Path,
     model_sha256: str,

@@ -244,3 +244,39 @@ def test_kill_9_during_budget_search_leaves_nothing(cli, f16_model, session_imat
     assert Store().find("smollm2-135m-instruct-budget-90mb") is None
     assert not list(edgellm_home.rglob("*.partial"))
     assert not (edgellm_home / "recipes").exists() or not list((edgellm_home / "recipes").iterdir())
+
+
+def test_search_cost_adds_the_last_fed_back_job_s_feedback(f16_model, edgellm_home):
+    """The cost line a search shows before it runs (the TUI's): the error feedback that follows by default, as the
+    base's newest fed-back job took it, its tokens left out once quant/selfgen.py keeps them."""
+    from edgellm.models.store import Store
+    from quant.imatrix import model_sha256
+    from quant.recipe import recipes_folder, resolve_base
+    from quant.search_cost import search_cost
+    from quant.selfgen import _cache_file
+
+    src = resolve_base(F16_NAME, Store())
+    folder = recipes_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    plain = {
+        "architecture": "llama",
+        "tensor_types": [["^output\\.weight$", "Q8_0"]],
+        "model": src.label,
+        "search_seconds": 60.0,
+        "calibration": {"probes_measured": 10, "probes_cached": 0, "probe_seconds": 50.0},
+    }
+    (folder / "a-plain.json").write_text(json.dumps(plain))
+    cost = search_cost(F16_NAME, "auto")
+    assert cost.feedback_seconds is None and "error feedback" not in cost.describe(), cost
+    timing = {"tokens": 57.0, "tokens_cached": 0.0, "inputs": 70.0, "rewrite": 54.0, "matrices": 192.0, "passes": 1.0}
+    fed = folder / "b-fb.json"
+    fed.write_text(json.dumps(dict(plain, feedback=True, feedback_sequences=20, feedback_seconds={**timing, "sequences": 20.0})))
+    os.utime(fed, (time.time() + 5,) * 2)  # the newest
+    cost = search_cost(F16_NAME, "auto")
+    assert cost.feedback_seconds == 181.0 and "then error feedback ~3.0 min (as in b-fb)" in cost.describe(), cost
+    assert "search ~" in cost.describe()  # the search's own estimate is still there, from the same recipes
+    # the job's tokens kept for the next one: the pass and the rewrite only
+    kept = _cache_file(model_sha256(src.resolved), 20)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_bytes(b"")
+    assert search_cost(F16_NAME, "auto").feedback_seconds == 124.0
