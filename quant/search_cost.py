@@ -20,7 +20,7 @@ from edgellm.fsutil import sha256_file
 from edgellm.models.store import Store
 from quant import rounding, sensitivity
 from quant.imatrix import ImatrixRecord, get_imatrix, model_sha256, stored_for
-from quant.recipe import list_recipes, load_recipe, resolve_base
+from quant.recipe import Recipe, list_recipes, load_recipe, resolve_base
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,10 @@ def search_cost(base: str, imatrix: str = "auto", *, store: Optional[Store] = No
     cached = 0
     if matrix is not None:
         cached = len(sensitivity.load_results(sensitivity.cache_key(model_sha, sha256_file(matrix.path), rounding.BUDGET)))
-    mine = [saved for saved in list_recipes() if saved.model == src.label]  # newest first, this base's on this machine
+    mine = _recipes_of(src.label)
     feedback = _feedback(mine, model_sha)
-    for saved in mine:
+    for name, past in mine:
         try:
-            past = load_recipe(saved.path)
             cal, search_s = past.calibration, float(past.search_seconds)
             measured, before, probe_s = int(cal["probes_measured"]), int(cal["probes_cached"]), float(cal["probe_seconds"])
         except (EdgeLLMError, KeyError, TypeError, ValueError):
@@ -81,20 +80,32 @@ def search_cost(base: str, imatrix: str = "auto", *, store: Optional[Store] = No
         todo = max(0, measured + before - cached)
         estimate = max(0.0, search_s - probe_s) + per_probe * todo
         return SearchCost(
-            matrix.name if matrix else None, cached, estimate, f"{todo} probes at {per_probe:.1f} s, as in {saved.path.stem}",
+            matrix.name if matrix else None, cached, estimate, f"{todo} probes at {per_probe:.1f} s, as in {name}",
             *feedback,
         )  # fmt: skip
     return SearchCost(matrix.name if matrix else None, cached, None, "no search of this base on this machine yet", *feedback)
 
 
-def _feedback(mine: list, model_sha: str) -> tuple[Optional[float], str]:
+def _recipes_of(label: str) -> list[tuple[str, Recipe]]:
+    """This base's saved recipes on this machine (name, recipe), newest first, each read once."""
+    out = []
+    for saved in list_recipes():
+        if saved.model != label:
+            continue
+        try:
+            out.append((saved.path.stem, load_recipe(saved.path)))
+        except EdgeLLMError:
+            continue  # removed or rewritten since it was listed
+    return out
+
+
+def _feedback(mine: list[tuple[str, Recipe]], model_sha: str) -> tuple[Optional[float], str]:
     """Error feedback's seconds as the newest fed-back job of this base took them: its pass and rewrite, and its
     tokens only if they are not cached now (quant/selfgen.py keeps them for the next job)."""
-    for saved in mine:
+    for name, past in mine:
         try:
-            past = load_recipe(saved.path)
             fs = {k: float(v) for k, v in past.feedback_seconds.items()}
-        except (EdgeLLMError, TypeError, ValueError):
+        except (TypeError, ValueError, AttributeError):
             continue
         if not past.feedback or not fs.get("passes"):
             continue  # plain, or nothing fed back: says nothing about feedback's cost
@@ -103,5 +114,5 @@ def _feedback(mine: list, model_sha: str) -> tuple[Optional[float], str]:
             from quant.selfgen import tokens_kept  # numpy and llama_cpp: only once a fed-back job is on record
 
             seconds += 0.0 if tokens_kept(model_sha, int(fs["sequences"])) else fs.get("tokens", 0.0)
-        return seconds, f"as in {saved.path.stem}"
+        return seconds, f"as in {name}"
     return None, ""
