@@ -16,7 +16,12 @@ exported repack kernels.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +38,10 @@ class _InitParams(ctypes.Structure):
 
 @pytest.fixture(scope="module")
 def ggml() -> Iterator[tuple[ctypes.CDLL, ctypes.CDLL]]:
+    yield _loaded()
+
+
+def _loaded() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     lib = backends.lib_dir()
     assert lib is not None and (lib / "libggml-cpu.so").exists(), "the host-flags build is what the suite runs on"
     base, cpu = backends._load_lib(lib, "libggml-base.so"), backends._load_lib(lib, "libggml-cpu.so")
@@ -49,7 +58,7 @@ def ggml() -> Iterator[tuple[ctypes.CDLL, ctypes.CDLL]]:
     base.ggml_quantize_chunk.argtypes = [ctypes.c_int, vp, vp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, vp]
     cpu.ggml_graph_compute_with_ctx.argtypes = [vp, vp, ctypes.c_int]
     assert backends.keep_batch_invariant(FA_TILE), "this build lacks scripts/patches"
-    yield base, cpu
+    return base, cpu
 
 
 def _set_small_batch_invariant(rows: int) -> None:
@@ -153,3 +162,40 @@ def test_the_repacked_q4_k_one_row_kernel_sums_as_the_four_row_one(ggml):
     finally:
         _set_small_batch_invariant(FA_TILE)
     assert not np.array_equal(stock, batch) and np.allclose(stock, batch, rtol=1e-4, atol=1e-3)
+
+
+def _kernel_outputs(ggml) -> str:
+    """A digest of what generation's K-quant kernels give for one row: the repacked Q4_K gemv summing
+    both ways (edgellm's and llama.cpp's tools'), and Q6_K's row product at the 1.93B model's shapes."""
+    _base, cpu = ggml
+    h = hashlib.sha256()
+    h.update(_repacked_q4_k(cpu)[0].tobytes())
+    try:
+        _set_small_batch_invariant(0)
+        h.update(_repacked_q4_k(cpu)[0].tobytes())
+    finally:
+        _set_small_batch_invariant(FA_TILE)
+    rng = np.random.default_rng(11)
+    for m, k in ((768, 2304), (2304, 6144)):
+        weights = rng.normal(0, 0.02, (m, k)).astype(np.float32)
+        h.update(_matmul(ggml, GGML_TYPE_Q6_K, weights, rng.normal(0, 1, (1, k)).astype(np.float32)).tobytes())
+    return h.hexdigest()
+
+
+def test_the_avx512_k_quant_kernels_give_the_avx2_kernels_bytes(ggml):
+    # scripts/patches/ggml-cpu-x86-avx512-kquant-gemv.patch: one token's Q4_K (repacked) and Q6_K
+    # products with AVX-512 (VNNI for Q4_K), ~15% more tokens/s on Intel cores (docs/scale.md). They
+    # must round exactly as the AVX2 loops, or a reply would change with the CPU. GGML_CPU_KQUANT_AVX2=1
+    # keeps the AVX2 loops; the kernels read it once per process, hence the child. (On a CPU without
+    # AVX-512 both sides run the AVX2 loops.)
+    mine = _kernel_outputs(ggml)
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_batch_invariance as t; print(t._kernel_outputs(t._loaded()))"
+    child = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)],
+        env={**os.environ, "GGML_CPU_KQUANT_AVX2": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.strip() == mine
