@@ -29,7 +29,7 @@ import pytest
 from edgellm.engine import backends
 from edgellm.engine.speculative import FA_TILE
 
-GGML_TYPE_F32, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K = 0, 12, 14
+GGML_TYPE_F32, GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K = 0, 8, 12, 14
 
 
 class _InitParams(ctypes.Structure):
@@ -165,8 +165,8 @@ def test_the_repacked_q4_k_one_row_kernel_sums_as_the_four_row_one(ggml):
 
 
 def _kernel_outputs(ggml) -> str:
-    """A digest of what generation's K-quant kernels give for one row: the repacked Q4_K gemv summing
-    both ways (edgellm's and llama.cpp's tools'), and Q6_K's row product at the 1.93B model's shapes."""
+    """A digest of what generation's one-row kernels give: the repacked Q4_K gemv summing both ways
+    (edgellm's and llama.cpp's tools'), and Q6_K's and Q8_0's row products at the 1.93B model's shapes."""
     _base, cpu = ggml
     h = hashlib.sha256()
     h.update(_repacked_q4_k(cpu)[0].tobytes())
@@ -176,23 +176,24 @@ def _kernel_outputs(ggml) -> str:
     finally:
         _set_small_batch_invariant(FA_TILE)
     rng = np.random.default_rng(11)
-    for m, k in ((768, 2304), (2304, 6144)):
-        weights = rng.normal(0, 0.02, (m, k)).astype(np.float32)
-        h.update(_matmul(ggml, GGML_TYPE_Q6_K, weights, rng.normal(0, 1, (1, k)).astype(np.float32)).tobytes())
+    for typ in (GGML_TYPE_Q6_K, GGML_TYPE_Q8_0):
+        for m, k in ((768, 2304), (2304, 6144)):
+            weights = rng.normal(0, 0.02, (m, k)).astype(np.float32)
+            h.update(_matmul(ggml, typ, weights, rng.normal(0, 1, (1, k)).astype(np.float32)).tobytes())
     return h.hexdigest()
 
 
-def test_the_avx512_k_quant_kernels_give_the_avx2_kernels_bytes(ggml):
-    # scripts/patches/ggml-cpu-x86-avx512-kquant-gemv.patch: one token's Q4_K (repacked) and Q6_K
-    # products with AVX-512 (VNNI for Q4_K), ~15% more tokens/s on Intel cores (docs/scale.md). They
-    # must round exactly as the AVX2 loops, or a reply would change with the CPU. GGML_CPU_KQUANT_AVX2=1
-    # keeps the AVX2 loops; the kernels read it once per process, hence the child. (On a CPU without
-    # AVX-512 both sides run the AVX2 loops.)
+def test_the_faster_one_row_kernels_give_the_stock_kernels_bytes(ggml):
+    # scripts/patches/ggml-cpu-token-kernels.patch: one token's Q4_K (repacked, AVX-512 VNNI) and Q6_K
+    # (AVX-512) products, and software prefetch in those and Q8_0's, 1.3x the tokens/s on Intel cores
+    # (docs/scale.md). They must round exactly as the stock loops, or a reply would change with the
+    # CPU. GGML_CPU_STOCK_GEMV=1 runs the stock loops; the kernels read it once per process, hence the
+    # child. (On a CPU without AVX-512 only the prefetch differs.)
     mine = _kernel_outputs(ggml)
     code = "import sys; sys.path.insert(0, sys.argv[1]); import test_batch_invariance as t; print(t._kernel_outputs(t._loaded()))"
     child = subprocess.run(
         [sys.executable, "-c", code, str(Path(__file__).parent)],
-        env={**os.environ, "GGML_CPU_KQUANT_AVX2": "1"},
+        env={**os.environ, "GGML_CPU_STOCK_GEMV": "1"},
         capture_output=True,
         text=True,
         timeout=300,

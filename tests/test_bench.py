@@ -20,6 +20,25 @@ from support.helpers import DEFAULT_NAME, assert_one_line_error
 SMALL = ("--pp", "64", "--tg", "16", "-r", "2", "--threads", "1", "--no-progress")
 
 
+def test_the_bandwidth_probe_reads_every_byte_as_the_kernels_stream_weights():
+    # scripts/patches/ggml-cpu-token-kernels.patch's stream read: the one-row kernels' prefetch, over
+    # every byte (it returns the OR of the words), and the probe keeps the faster of it and memchr
+    import numpy as np
+
+    from edgellm.engine import backends
+    from edgellm.profile.bench import measure_bandwidth_now
+
+    addr = backends.cpu_proc("ggml_backend_cpu_stream_read")
+    assert addr, "this build lacks scripts/patches"
+    read = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t)(addr)
+    buf = np.zeros(1 << 20, np.uint8)
+    assert read(buf.ctypes.data, buf.size) == 0
+    buf[777_777] = 0x5A
+    assert read(buf.ctypes.data, buf.size) == 0x5A << (8 * (777_777 % 8))
+    bw = measure_bandwidth_now(threads=1, size_bytes=64 << 20, repeats=1)
+    assert bw.reader in ("memchr", "ggml") and bw.read_bytes_per_s > 1e8
+
+
 @pytest.fixture(scope="module")
 def q8_gguf(default_gguf, tmp_path_factory) -> Path:
     """The default model requantized to Q8_0 with llama.cpp's own quantizer (ftype 7)."""

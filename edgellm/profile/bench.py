@@ -264,11 +264,16 @@ def token_read_bytes(info, n_gen: int) -> int:
 def measure_bandwidth_now(*, threads: int = 1, size_bytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> Bandwidth:
     """Best-of-N read and copy bandwidth of a buffer larger than the caches, split over `threads` threads.
 
-    The read is the C library's memchr over zeros: a SIMD scan that keeps
-    only loads in flight, as llama.cpp's matmuls do when they stream the
-    weights for one token (numpy's float sum here ran at half that speed,
-    compute-bound, and put generation at 135% of its "roofline"). ctypes
-    releases the GIL for the call, so the threads really run in parallel.
+    The read is the faster of two scans that keep only loads in flight, as
+    the matmuls do when they stream the weights for one token: the C
+    library's memchr, and the CPU backend's own stream read
+    (scripts/patches/ggml-cpu-x86-avx512-kquant-gemv.patch), which
+    prefetches as far ahead as its one-row kernels do. On Intel server cores
+    that prefetch is most of the bandwidth one core can reach (18 against
+    12 GB/s here), so memchr alone put a roofline below what generation
+    reads. numpy's float sum ran at half memchr's speed, compute-bound, and
+    put generation at 135% of its "roofline". ctypes releases the GIL for the
+    call, so the threads really run in parallel.
     """
     import ctypes
 
@@ -306,6 +311,12 @@ def measure_bandwidth_now(*, threads: int = 1, size_bytes: int = BANDWIDTH_BYTES
             best = min(best, time.perf_counter() - t0)
         return best
 
-    t_read = timed(read)
+    t_read, reader = timed(read), "memchr"
+    stream = backends.cpu_proc("ggml_backend_cpu_stream_read")
+    if stream:
+        ggml_read = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t)(stream)
+        t_stream = timed(lambda a, b: ggml_read(src.ctypes.data + a, b - a))
+        if t_stream < t_read:
+            t_read, reader = t_stream, "ggml"
     t_copy = timed(lambda a, b: np.copyto(dst[a:b], src[a:b]))
-    return Bandwidth(n / t_read, 2 * n / t_copy, k, n)
+    return Bandwidth(n / t_read, 2 * n / t_copy, k, n, reader)

@@ -75,6 +75,7 @@ class Bandwidth:
     copy_bytes_per_s: float  # bytes read + written per second
     threads: int
     size_bytes: int
+    reader: str = "memchr"  # which read gave read_bytes_per_s: "memchr" or "ggml" (the kernels' prefetching stream)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
