@@ -134,7 +134,7 @@ def main() -> int:
         print(f"{key[0]:48} {key[1]:6} {ratio_cells(ma, sa, mb, sb, ma / mb, ratio, GOAL)}")
     print()
     print(f"threads {args.threads}, {args.rounds} rounds x {args.repetitions} repetitions per tool, tools alternating first")
-    print(f"memory bandwidth (numpy, {args.threads} threads, best of 5): read {bw.read_bytes_per_s / 1e9:.1f} GB/s")
+    print(f"memory bandwidth ({bw.reader}, {args.threads} threads, best of 5): read {bw.read_bytes_per_s / 1e9:.1f} GB/s")
     verdict(results, GOAL, load0, load1)
     if args.json:
         args.json.write_text(
