@@ -274,6 +274,12 @@ def verdict(code: int, stdout: str, stderr: str, exc) -> str | None:
     return None
 
 
+def _pump(stream, lines) -> None:
+    for ln in stream:
+        lines.put(ln)
+    lines.put(None)
+
+
 def run_jobs(jobs: list[dict], env: dict, *, timeout: float) -> list[dict]:
     """Run every job; a job that kills its worker or runs past `timeout` is a problem."""
     import queue
@@ -281,6 +287,7 @@ def run_jobs(jobs: list[dict], env: dict, *, timeout: float) -> list[dict]:
 
     results: list[dict] = []
     pending = list(jobs)
+    idle_starts = 0  # workers in a row that ended before they began a job
     while pending:
         proc = subprocess.Popen(
             [sys.executable, "-c", WORKER],
@@ -293,9 +300,11 @@ def run_jobs(jobs: list[dict], env: dict, *, timeout: float) -> list[dict]:
         )
         proc.stdin.write(json.dumps(pending) + "\n")
         proc.stdin.close()
-        # A reader thread, so a run that hangs (no line ever comes) is still timed.
+        # A reader thread, so a run that hangs (no line ever comes) is still timed. It gets its pipe and
+        # its queue as arguments: a closure read `lines` when it ran, so a killed worker's end (None)
+        # could land in the next worker's queue and end that one's jobs unrun (a CI flake).
         lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: ([lines.put(ln) for ln in proc.stdout], lines.put(None)), daemon=True).start()
+        threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
         current = None
         done_keys = set()
         hung = False
@@ -311,6 +320,7 @@ def run_jobs(jobs: list[dict], env: dict, *, timeout: float) -> list[dict]:
                 break
             if line is None:
                 break
+            idle_starts = 0
             if line.startswith("BEGIN "):
                 current = json.loads(line[6:])
                 deadline = time.monotonic() + timeout
@@ -330,7 +340,14 @@ def run_jobs(jobs: list[dict], env: dict, *, timeout: float) -> list[dict]:
             results.append({"key": current, "code": rc, "stdout": "", "stderr": "", "exc": None, "problem": why})
             pending = [j for j in pending if j["key"] != current]
         elif pending:
-            break
+            # The worker ended before it began a job (CI saw one on a loaded machine). Jobs are never
+            # dropped unreported: start another, and after three such starts in a row charge the next job.
+            idle_starts += 1
+            if idle_starts >= 3:
+                job = pending.pop(0)
+                why = f"the worker ended before the job began ({f'signal {-rc}' if rc < 0 else f'exit {rc}'})"
+                results.append({"key": job["key"], "code": rc, "stdout": "", "stderr": "", "exc": None, "problem": why})
+                idle_starts = 0
     return results
 
 

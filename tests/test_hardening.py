@@ -359,3 +359,8 @@ for job in json.loads(sys.stdin.readline()):
         "trace4": "traceback",
         "ok5": None,
     }
+
+    # a worker that ends before it begins any job drops none unreported: each is charged after 3 starts
+    monkeypatch.setattr(fuzz, "WORKER", "import sys; sys.exit(3)")
+    res = {r["key"][1] + str(r["key"][0]): r["problem"] for r in fuzz.run_jobs(jobs[:2], dict(os.environ), timeout=6)}
+    assert res == {k: "the worker ended before the job began (exit 3)" for k in ("ok0", "abort1")}
