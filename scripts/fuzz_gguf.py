@@ -274,6 +274,10 @@ def verdict(code: int, stdout: str, stderr: str, exc) -> str | None:
     return None
 
 
+def _how_it_ended(rc: int, exit_word: str) -> str:
+    return f"signal {-rc}" if rc < 0 else f"{exit_word} {rc}"
+
+
 def _pump(stream, lines) -> None:
     for ln in stream:
         lines.put(ln)
@@ -336,7 +340,7 @@ def run_jobs(jobs: list[dict], env: dict, *, timeout: float) -> list[dict]:
             if hung:
                 why = f"hung (no result within {timeout:g} s)"
             else:
-                why = f"killed the process ({f'signal {-rc}' if rc < 0 else f'worker exit {rc}'})"
+                why = f"killed the process ({_how_it_ended(rc, 'worker exit')})"
             results.append({"key": current, "code": rc, "stdout": "", "stderr": "", "exc": None, "problem": why})
             pending = [j for j in pending if j["key"] != current]
         elif pending:
@@ -345,7 +349,7 @@ def run_jobs(jobs: list[dict], env: dict, *, timeout: float) -> list[dict]:
             idle_starts += 1
             if idle_starts >= 3:
                 job = pending.pop(0)
-                why = f"the worker ended before the job began ({f'signal {-rc}' if rc < 0 else f'exit {rc}'})"
+                why = f"the worker ended before the job began ({_how_it_ended(rc, 'exit')})"
                 results.append({"key": job["key"], "code": rc, "stdout": "", "stderr": "", "exc": None, "problem": why})
                 idle_starts = 0
     return results

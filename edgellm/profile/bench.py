@@ -267,10 +267,9 @@ def measure_bandwidth_now(*, threads: int = 1, size_bytes: int = BANDWIDTH_BYTES
     The read is the faster of two scans that keep only loads in flight, as
     the matmuls do when they stream the weights for one token: the C
     library's memchr, and the CPU backend's own stream read
-    (scripts/patches/ggml-cpu-x86-avx512-kquant-gemv.patch), which
-    prefetches as far ahead as its one-row kernels do. On Intel server cores
-    that prefetch is most of the bandwidth one core can reach (18 against
-    12 GB/s here), so memchr alone put a roofline below what generation
+    (scripts/patches/ggml-cpu-token-kernels.patch), which prefetches as far
+    ahead as its one-row kernels do. On Intel server cores that prefetch is
+    most of the bandwidth one core can reach (20 against 12 GB/s here), so memchr alone put a roofline below what generation
     reads. numpy's float sum ran at half memchr's speed, compute-bound, and
     put generation at 135% of its "roofline". ctypes releases the GIL for the
     call, so the threads really run in parallel.
