@@ -39,6 +39,49 @@ def test_the_bandwidth_probe_reads_every_byte_as_the_kernels_stream_weights():
     assert bw.reader in ("memchr", "ggml") and bw.read_bytes_per_s > 1e8
 
 
+def _vma(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds addr."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="huge pages are Linux's")
+def test_big_ggml_buffers_ask_for_huge_pages_and_small_ones_do_not():
+    # scripts/patches/ggml-huge-pages.patch: ggml's big buffers (the weights a CPU repacks, a --no-mmap
+    # load) are 2 MiB-aligned and advised MADV_HUGEPAGE, so generation streams them without a TLB miss
+    # every 4 KiB; the advice shows as "hg" in the mapping's VmFlags whatever the system's THP mode
+    from edgellm.engine import backends
+
+    lib = backends.lib_dir()
+    assert lib is not None
+    base = ctypes.CDLL(str(lib / "libggml-base.so.0"))
+    base.ggml_aligned_malloc.restype, base.ggml_aligned_malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    base.ggml_aligned_free.restype, base.ggml_aligned_free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t]
+    big_n, small_n = 16 << 20, 64 << 10
+    big, small = base.ggml_aligned_malloc(big_n), base.ggml_aligned_malloc(small_n)
+    try:
+        assert big % (2 << 20) == 0 and small % 64 == 0
+        ctypes.memset(big, 1, big_n)
+        vma = _vma(big)
+        assert "hg" in vma["VmFlags"].split(), vma["VmFlags"]
+        assert "hg" not in _vma(small)["VmFlags"].split()
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        if "[never]" not in mode:  # then the kernel backs the touched, aligned 2 MiB ranges with huge pages
+            assert int(vma["AnonHugePages"].split()[0]) >= 2048, (mode, vma["AnonHugePages"])
+    finally:
+        base.ggml_aligned_free(big, big_n)
+        base.ggml_aligned_free(small, small_n)
+
+
 @pytest.fixture(scope="module")
 def q8_gguf(default_gguf, tmp_path_factory) -> Path:
     """The default model requantized to Q8_0 with llama.cpp's own quantizer (ftype 7)."""
