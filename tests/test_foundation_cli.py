@@ -89,6 +89,23 @@ def test_doctor_json_passes_self_test(default_model, cli_subprocess):
     assert rep["unsupported_in_build"] == []
     assert not any(f.startswith("AMX") for f in rep["compiled_features"])
     assert rep["ok"] is True
+    from edgellm.engine.hardware import THP_MODE_PATH
+
+    mode = THP_MODE_PATH.read_text().split("[")[1].split("]")[0] if THP_MODE_PATH.exists() else None
+    assert rep["huge_pages"] == mode
+
+
+@pytest.mark.parametrize(
+    "text, mode",
+    [("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"), ("always madvise [never]\n", "never")],
+)
+def test_the_doctor_reads_the_huge_page_mode(tmp_path, text, mode):
+    from edgellm.engine.hardware import huge_pages_mode
+
+    f = tmp_path / "enabled"
+    f.write_text(text)
+    assert huge_pages_mode(f) == mode
+    assert huge_pages_mode(tmp_path / "absent") is None
 
 
 def test_doctor_names_the_signal_of_a_crashing_build(default_model, cli_subprocess):

@@ -65,6 +65,9 @@ def doctor_cmd(as_json: bool, model_ref, no_self_test: bool) -> None:
             f"rpc               {'compiled in, protocol ' + rpc['protocol'] if rpc['compiled_in'] else 'not compiled in (rebuild with scripts/setup.sh)'}"
         )
         click.echo(f"ram               {human_size(rep.ram_total_bytes)} total, {human_size(rep.ram_available_bytes)} available")
+        if rep.huge_pages is not None:
+            asked = "off: weights on 4 KiB pages" if rep.huge_pages == "never" else "on for ggml's buffers"
+            click.echo(f"huge pages        {rep.huge_pages} ({asked})")
         click.echo(f"store             {rep.home} ({human_size(rep.disk_free_bytes)} free)")
         if st.ok:
             click.echo(f"self-test         passed: {st.tokens} tokens at {st.tokens_per_second:.1f} tok/s ({st.text!r})")

@@ -94,6 +94,25 @@ def gpu_backends() -> dict[str, Any]:
     return result
 
 
+# Linux's transparent huge page mode, as the kernel shows it: "always madvise [never]"
+THP_MODE_PATH = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_mode(path: Path = THP_MODE_PATH) -> Optional[str]:
+    """The kernel's transparent huge page mode ("always", "madvise" or "never"); None where it has none.
+
+    ggml's big buffers ask for huge pages (scripts/patches/ggml-huge-pages.patch), which "always" and
+    "madvise" grant and "never" refuses. Under "never" the weights a CPU repacks are read through 4 KiB
+    pages, a TLB miss every 4 KiB of every token (1.14x slower at Q4_K_M on the 1.93B widened model,
+    docs/scale.md), so the doctor says so.
+    """
+    try:
+        match = re.search(r"\[(\w+)\]", path.read_text())
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
 @dataclass
 class Memory:
     total_bytes: int
@@ -193,6 +212,7 @@ class DoctorReport:
     self_test: SelfTestResult
     warnings: list[str] = field(default_factory=list)
     cpu_backend: Optional[dict[str, Any]] = None  # the portable build's CPU variant (engine.backends); None: host-flags build
+    huge_pages: Optional[str] = None  # huge_pages_mode(); None off Linux
 
     @property
     def ok(self) -> bool:
@@ -223,6 +243,12 @@ def doctor(*, model_path: Optional[Path] = None, run_self_test: bool = True) -> 
         warnings.append(
             f"this build uses {', '.join(unsupported)}, which this CPU/OS does not expose: it will crash; rerun scripts/setup.sh"
         )
+    thp = huge_pages_mode()
+    if thp == "never":
+        warnings.append(
+            "transparent huge pages are off (never): repacked weights are read through 4 KiB pages, "
+            "~1.14x slower generation; as root: echo madvise > " + str(THP_MODE_PATH)
+        )
     mem = memory()
     st = self_test(model_path) if run_self_test else SelfTestResult(False, message="skipped")
     home = paths.home()
@@ -244,4 +270,5 @@ def doctor(*, model_path: Optional[Path] = None, run_self_test: bool = True) -> 
         self_test=st,
         warnings=warnings,
         cpu_backend=choice.to_json() if choice is not None else None,
+        huge_pages=thp,
     )
