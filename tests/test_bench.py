@@ -55,10 +55,11 @@ def _vma(addr: int) -> dict[str, str]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="huge pages are Linux's")
-def test_big_ggml_buffers_ask_for_huge_pages_and_small_ones_do_not():
+def test_big_ggml_buffers_ask_for_huge_pages():
     # scripts/patches/ggml-huge-pages.patch: ggml's big buffers (the weights a CPU repacks, a --no-mmap
     # load) are 2 MiB-aligned and advised MADV_HUGEPAGE, so generation streams them without a TLB miss
-    # every 4 KiB; the advice shows as "hg" in the mapping's VmFlags whatever the system's THP mode
+    # every 4 KiB; the advice shows as "hg" in the mapping's VmFlags whatever the system's THP mode. (A
+    # small buffer is not asserted free of it: the heap can hand it a range an earlier big one advised.)
     from edgellm.engine import backends
 
     lib = backends.lib_dir()
@@ -73,7 +74,6 @@ def test_big_ggml_buffers_ask_for_huge_pages_and_small_ones_do_not():
         ctypes.memset(big, 1, big_n)
         vma = _vma(big)
         assert "hg" in vma["VmFlags"].split(), vma["VmFlags"]
-        assert "hg" not in _vma(small)["VmFlags"].split()
         mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
         if "[never]" not in mode:  # then the kernel backs the touched, aligned 2 MiB ranges with huge pages
             assert int(vma["AnonHugePages"].split()[0]) >= 2048, (mode, vma["AnonHugePages"])
