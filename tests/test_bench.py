@@ -61,6 +61,7 @@ def test_big_ggml_buffers_ask_for_huge_pages():
     # every 4 KiB; the advice shows as "hg" in the mapping's VmFlags whatever the system's THP mode. (A
     # small buffer is not asserted free of it: the heap can hand it a range an earlier big one advised.)
     from edgellm.engine import backends
+    from edgellm.engine.hardware import huge_pages_mode
 
     lib = backends.lib_dir()
     assert lib is not None
@@ -74,8 +75,8 @@ def test_big_ggml_buffers_ask_for_huge_pages():
         ctypes.memset(big, 1, big_n)
         vma = _vma(big)
         assert "hg" in vma["VmFlags"].split(), vma["VmFlags"]
-        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-        if "[never]" not in mode:  # then the kernel backs the touched, aligned 2 MiB ranges with huge pages
+        mode = huge_pages_mode()
+        if mode != "never":  # then the kernel backs the touched, aligned 2 MiB ranges with huge pages
             assert int(vma["AnonHugePages"].split()[0]) >= 2048, (mode, vma["AnonHugePages"])
     finally:
         base.ggml_aligned_free(big, big_n)

@@ -96,6 +96,8 @@ def gpu_backends() -> dict[str, Any]:
 
 # Linux's transparent huge page mode, as the kernel shows it: "always madvise [never]"
 THP_MODE_PATH = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# what "never" costs, measured on the 1.93B widened Q4_K_M (docs/scale.md, 2026-12-07)
+HUGE_PAGES_OFF_COST = "~1.14x slower generation"
 
 
 def huge_pages_mode(path: Path = THP_MODE_PATH) -> Optional[str]:
@@ -103,8 +105,7 @@ def huge_pages_mode(path: Path = THP_MODE_PATH) -> Optional[str]:
 
     ggml's big buffers ask for huge pages (scripts/patches/ggml-huge-pages.patch), which "always" and
     "madvise" grant and "never" refuses. Under "never" the weights a CPU repacks are read through 4 KiB
-    pages, a TLB miss every 4 KiB of every token (1.14x slower at Q4_K_M on the 1.93B widened model,
-    docs/scale.md), so the doctor says so.
+    pages, a TLB miss every 4 KiB of every token (HUGE_PAGES_OFF_COST), so the doctor says so.
     """
     try:
         match = re.search(r"\[(\w+)\]", path.read_text())
@@ -247,7 +248,7 @@ def doctor(*, model_path: Optional[Path] = None, run_self_test: bool = True) -> 
     if thp == "never":
         warnings.append(
             "transparent huge pages are off (never): repacked weights are read through 4 KiB pages, "
-            "~1.14x slower generation; as root: echo madvise > " + str(THP_MODE_PATH)
+            f"{HUGE_PAGES_OFF_COST}; as root: echo madvise > {THP_MODE_PATH}"
         )
     mem = memory()
     st = self_test(model_path) if run_self_test else SelfTestResult(False, message="skipped")

@@ -269,8 +269,8 @@ def measure_bandwidth_now(*, threads: int = 1, size_bytes: int = BANDWIDTH_BYTES
     library's memchr, and the CPU backend's own stream read
     (scripts/patches/ggml-cpu-token-kernels.patch), which prefetches as far
     ahead as its one-row kernels do. On Intel server cores that prefetch is
-    most of the bandwidth one core can reach (20 against 12 GB/s here), so memchr alone put a roofline below what generation
-    reads. numpy's float sum ran at half memchr's speed, compute-bound, and
+    most of the bandwidth one core can reach (20 against 12 GB/s here), so
+    memchr alone put a roofline below what generation reads. numpy's float sum ran at half memchr's speed, compute-bound, and
     put generation at 135% of its "roofline". ctypes releases the GIL for the
     call, so the threads really run in parallel.
     """
