@@ -125,7 +125,7 @@ def _q4_k_x8(rng: np.random.Generator, n_blocks: int, n_groups: int) -> bytes:
     return bytes(out)
 
 
-def _repacked_q4_k(cpu: ctypes.CDLL) -> tuple[np.ndarray, np.ndarray]:
+def _repacked_q4_k(cpu: ctypes.CDLL, rows: int = 8) -> tuple[np.ndarray, np.ndarray]:
     """Rows of a product through the repacked Q4_K kernels: (each row alone by the gemv, the rows by the gemm)."""
     vp = ctypes.c_void_p
     for name in ("ggml_gemv_q4_K_8x8_q8_K", "ggml_gemm_q4_K_8x8_q8_K"):
@@ -133,7 +133,7 @@ def _repacked_q4_k(cpu: ctypes.CDLL) -> tuple[np.ndarray, np.ndarray]:
     cpu.quantize_row_q8_K.argtypes = [vp, vp, ctypes.c_int64]
     cpu.ggml_quantize_mat_q8_K_4x8.argtypes = [vp, vp, ctypes.c_int64]
     rng = np.random.default_rng(3)
-    n_blocks, cols, rows = 9, 64, 8  # 2304 inputs, as the 1.93B model's hidden size
+    n_blocks, cols = 9, 64  # 2304 inputs, as the 1.93B model's hidden size
     k = 256 * n_blocks
     weights = ctypes.create_string_buffer(_q4_k_x8(rng, n_blocks, cols // 8))
     x = rng.normal(0, 1, (rows, k)).astype(np.float32)
@@ -150,12 +150,20 @@ def _repacked_q4_k(cpu: ctypes.CDLL) -> tuple[np.ndarray, np.ndarray]:
     return alone, batch
 
 
-def test_the_repacked_q4_k_one_row_kernel_sums_as_the_four_row_one(ggml):
+@pytest.mark.parametrize("rows", [4, 8, 12, 16, 28])
+def test_the_repacked_q4_k_one_row_kernel_sums_as_the_four_row_one(ggml, rows):
     # the kernels llama.cpp runs for the Q4_K weights it repacks (x86 with AVX2): a verify batch
-    # of 4+ rows takes the gemm, a lone token the gemv
+    # of 4+ rows takes the gemm, a lone token the gemv. With AVX-512 the gemm has a loop per
+    # 4 rows and one per 8, 12 or 16 (scripts/patches/ggml-cpu-x86-q4k-gemm-row-groups.patch);
+    # 28 rows take the 16- and the 12-row ones
     _base, cpu = ggml
-    alone, batch = _repacked_q4_k(cpu)
+    alone, batch = _repacked_q4_k(cpu, rows)
     assert np.array_equal(alone, batch), float(np.abs(alone - batch).max())
+
+
+def test_ggmls_own_one_row_kernel_rounds_otherwise(ggml):
+    _base, cpu = ggml
+    _alone, batch = _repacked_q4_k(cpu)
     try:
         _set_small_batch_invariant(0)  # ggml's own gemv: the same products, rounded otherwise
         stock, _ = _repacked_q4_k(cpu)
