@@ -29,7 +29,7 @@ import pytest
 from edgellm.engine import backends
 from edgellm.engine.speculative import FA_TILE
 
-GGML_TYPE_F32, GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K = 0, 8, 12, 14
+GGML_TYPE_F32, GGML_TYPE_Q4_1, GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K = 0, 3, 8, 12, 14
 
 
 class _InitParams(ctypes.Structure):
@@ -87,17 +87,24 @@ def _matmul(ggml, typ: int, weights: np.ndarray, x: np.ndarray) -> np.ndarray:
         base.ggml_free(ctx)
 
 
-@pytest.mark.parametrize("typ", [GGML_TYPE_Q6_K, GGML_TYPE_Q4_K], ids=["q6_K", "q4_K"])
-def test_a_k_quant_row_in_a_verify_batch_multiplies_as_it_does_alone(ggml, typ):
-    # the shapes of the 1.93B widened model's attn_v and ffn_down (issue #24)
+@pytest.mark.parametrize(
+    "typ", [GGML_TYPE_Q6_K, GGML_TYPE_Q4_K, GGML_TYPE_Q4_1], ids=["q6_K", "q4_K", "q4_1 (the default model)"]
+)
+def test_a_quantized_row_in_a_verify_batch_multiplies_as_it_does_alone(ggml, typ):
+    # the shapes of the 1.93B widened model's attn_v and ffn_down (issue #24). Q6_K and Q4_1 rows
+    # of a batch go through one kernel per weight row for up to 16 tokens
+    # (scripts/patches/ggml-cpu-x86-small-batch-dots.patch): the first and the last row of a batch
+    # are each checked against the same token alone
     rng = np.random.default_rng(7)
     for m, k in ((768, 2304), (2304, 6144)):
         weights = rng.normal(0, 0.02, (m, k)).astype(np.float32)
         x = rng.normal(0, 1, (FA_TILE - 1, k)).astype(np.float32)
-        alone = _matmul(ggml, typ, weights, x[:1])[0]
-        for n in (2, 4, 8, 16, FA_TILE - 1):
-            row = _matmul(ggml, typ, weights, x[:n])[0]
-            assert np.array_equal(alone, row), (m, k, n, float(np.abs(alone - row).max()))
+        first = _matmul(ggml, typ, weights, x[:1])[0]
+        for n in (2, 4, 8, 16, 17, FA_TILE - 1):
+            batch = _matmul(ggml, typ, weights, x[:n])
+            last = _matmul(ggml, typ, weights, x[n - 1 : n])[0]
+            for alone, row in ((first, batch[0]), (last, batch[-1])):
+                assert np.array_equal(alone, row), (m, k, n, float(np.abs(alone - row).max()))
 
 
 def test_the_stock_floor_of_8_rows_is_what_broke_it(ggml):
