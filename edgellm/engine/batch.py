@@ -3,12 +3,13 @@
 On a CPU each decode step reads every weight once, whether the batch holds
 one token or eight, so decoding the running sequences together raises the
 total tokens/s with the number of clients. `BatchEngine.step()` decodes the
-last sampled token of every generating sequence in one `llama_batch`, then
-each newcomer's next prompt chunk in a decode of its own (at most
+last sampled token of every generating sequence in one `llama_batch`, with
+the last prompt token of each newcomer whose prompt is otherwise cached, then
+each other newcomer's next prompt chunk in a decode of its own (at most
 `prompt_chunk` tokens per step while others run, so a long prompt does not
-stall their generation for more than one chunk; kept apart so that a reply
-does not depend on who else was running, see `step`). After each decode the
-sequences sample from their own output rows with their own sampler chains.
+stall their generation for more than one chunk; see `step` for why a chunk
+is not merged). After each decode the sequences sample from their own output
+rows with their own sampler chains.
 
 Each sequence slot has its own stream of the KV cache (`n_ctx / n_parallel`
 cells, as llama-server's `--parallel`): a sequence's cells then lie in the
@@ -41,6 +42,7 @@ from typing import Any, Optional
 
 import llama_cpp
 
+from edgellm.engine import backends
 from edgellm.engine.decode import Batch, Sampler, TextStream, common_prefix
 from edgellm.engine.ngram import NgramDrafter
 from edgellm.engine.runtime import GenerationStats, SamplingParams
@@ -149,6 +151,9 @@ class BatchEngine:
         self.prompt_tokens = self.cached_tokens = self.generated_tokens = self.cache_hits = 0
         self.drafts = DraftCounters()  # llama-server's spec_decode_* counters
         self.verify_cost = VerifyCost()
+        # rows decode as they would alone (the edgellm ggml patches): pieces of one token are safe
+        self.invariant = backends.keep_batch_invariant(FA_TILE)
+        self.fillers: list[tuple[int, int]] = []  # (slot, position) of this step's throw-away rows
 
     # -- admission -------------------------------------------------------------
 
@@ -217,12 +222,13 @@ class BatchEngine:
                 n = usable(i)
                 if n > best:
                     src, best = i, n
-        # The last prompt token is decoded again for its logits: a short prompt's with one more, so that
-        # the piece is never a single token (see `step`); a long one's row-by-row last turn whole, or,
+        # The last prompt token is decoded again for its logits: a short prompt's alone (beside the running
+        # tokens, see `step`; with one more where rows are not invariant, so that the piece is never a
+        # single token); a long one's row-by-row last turn whole, or,
         # where the cache stops short of it (or there is none), a tiled tail of at least FA_TILE tokens.
         seq.tail = row_tail_start(self.vocab, prompt)
         if not tiled:
-            keep = min(best, len(prompt) - 2)
+            keep = min(best, len(prompt) - (1 if self.invariant else 2))
         elif seq.tail <= best and seq.tail < len(prompt):
             keep = seq.tail
         else:
@@ -257,7 +263,8 @@ class BatchEngine:
     # -- one decode step ---------------------------------------------------------
 
     def step(self) -> int:
-        """One decode of the generating sequences, then one per newcomer's prompt chunk; returns the tokens decoded."""
+        """One decode of the generating sequences (and of newcomers' last prompt tokens), then one per newcomer's
+        longer prompt chunk; returns the tokens decoded."""
         for s in self.slots:
             if s is not None and s.cancel is not None and s.cancel.cancelled:
                 self._finish(s, "cancelled")
@@ -265,19 +272,23 @@ class BatchEngine:
         if not seqs:
             return 0
         # Batch invariance: llama.cpp's CPU kernels pick their path by how many
-        # tokens of one sequence a ubatch holds (one: a dot product per row;
-        # two or more: the tiled sgemm), and the two round differently. A
-        # newcomer's prompt mixed into the generating tokens gets split by
-        # llama.cpp into one-token pieces, so its cache, and at temperature 0
-        # its reply, would depend on who else was running. Each prompt chunk
-        # therefore gets its own decode, never of a single token unless the
-        # whole prompt is one.
+        # tokens of one sequence a ubatch holds, and stock ggml rounds the paths
+        # differently; edgellm's ggml patches compute every row of a ubatch under
+        # FA_TILE rows as it is computed alone (`self.invariant`). llama.cpp still
+        # splits a decode whose sequences bring unequal numbers of tokens into
+        # several ubatches (several passes over the weights), so a newcomer's
+        # prompt chunk of two or more tokens gets a decode of its own, while one
+        # whose prompt is cached but for its last token decodes that token as one
+        # more row of this step (a separate decode would pass over the weights
+        # for one row). Without the patches every piece stays apart and is never
+        # a single token unless the whole prompt is one.
         n = 0
         gen = [s for s in seqs if s.last >= 0]
-        if gen:
+        join = [s for s in seqs if s.last < 0 and s.leader is None and len(s.prompt) - s.n_done == 1] if self.invariant else []
+        if gen or join:
             # drafted tokens each may add: the step stays under FA_TILE rows in all, where every row is
             # computed as it would be alone (engine.speculative), whoever else is generating
-            share = max(0, (min(self.batch.capacity, FA_TILE - 1) - len(gen)) // len(gen))
+            share = max(0, (min(self.batch.capacity, FA_TILE - 1) - len(gen) - len(join)) // max(1, len(gen)))
             for s in gen:
                 if s.spec is not None:
                     room = min(
@@ -286,14 +297,41 @@ class BatchEngine:
                     s.draft = s.spec.propose(room)
 
             def fill_gen(b: Batch, live: list[Sequence]) -> None:
-                for s in live:
-                    pos = len(self.cached[s.slot])
-                    s.out = b.add(s.last, pos, s.slot, True)
-                    s.rows = [s.out] + [b.add(d, pos + 1 + i, s.slot, True) for i, d in enumerate(s.draft)]
+                # llama.cpp puts sequences of their own KV streams in one ubatch only while their ids run
+                # on without a gap (split_equal, sequential): an idle slot between two running ones would
+                # cost a second pass over the weights, so it gets a throw-away row past its cells, removed
+                # after the decode. Every row is computed as alone, so no reply depends on it.
+                by_slot = {s.slot: s for s in live}
+                lo, hi = min(by_slot), max(by_slot)
+                self.fillers = [
+                    (i, len(self.cached[i]))
+                    for i in range(lo, hi)
+                    if self.invariant and i not in by_slot and len(self.cached[i]) + 1 < self.n_ctx_seq
+                ]
+                pad = dict(self.fillers)
+                for i in range(lo, hi + 1):
+                    s = by_slot.get(i)
+                    if s is None:
+                        if i in pad:
+                            b.add(0, pad[i], i, False)
+                    elif s.last < 0:  # a joining newcomer's last prompt token
+                        s.out = b.add(s.prompt[-1], len(s.prompt) - 1, i, True)
+                    else:
+                        pos = len(self.cached[i])
+                        s.out = b.add(s.last, pos, i, True)
+                        s.rows = [s.out] + [b.add(d, pos + 1 + k, i, True) for k, d in enumerate(s.draft)]
 
             t = time.perf_counter()
-            n += self._decode(gen, fill_gen)
+            n += self._decode(gen + join, fill_gen)
             now = time.perf_counter()
+            for i, pos in self.fillers:
+                llama_cpp.llama_memory_seq_rm(self.mem, i, pos, -1)
+            self.fillers = []
+            for s in join:
+                if self.slots[s.slot] is s:
+                    self.cached[s.slot].append(s.prompt[-1])
+                    s.n_done += 1
+                    self._sample(s, now)
             for s in gen:
                 if self.slots[s.slot] is s:
                     self.cached[s.slot].append(s.last)
