@@ -215,3 +215,92 @@ def test_the_faster_one_row_kernels_give_the_stock_kernels_bytes(ggml):
     )
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.strip() == mine
+
+
+# -- attention: one query row over the cached cells ---------------------------------------------------
+
+GGML_TYPE_F16 = 1
+
+
+def _attention(ggml, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+    """ggml's FLASH_ATTN_EXT on 2 threads: q (n, H, D) f32, k and v (n_kv, Hkv, D) stored as f16, mask (n, n_kv)
+    of 0 and -inf; returns (n, H, D)."""
+    base, cpu = ggml
+    vp = ctypes.c_void_p
+    base.ggml_new_tensor_3d.restype = vp
+    base.ggml_new_tensor_3d.argtypes = [vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    base.ggml_flash_attn_ext.restype = vp
+    base.ggml_flash_attn_ext.argtypes = [vp, vp, vp, vp, vp, ctypes.c_float, ctypes.c_float, ctypes.c_float]
+    n, heads, d = q.shape
+    n_kv, heads_kv, _ = k.shape
+    ctx = base.ggml_init(_InitParams(1 << 27, None, False))
+    try:
+
+        def tensor(typ, arr, *ne):
+            t = base.ggml_new_tensor_3d(ctx, typ, *ne) if len(ne) == 3 else base.ggml_new_tensor_2d(ctx, typ, *ne)
+            a = np.ascontiguousarray(arr)
+            ctypes.memmove(base.ggml_get_data(t), a.ctypes.data, a.nbytes)
+            return t
+
+        tq = tensor(GGML_TYPE_F32, q.transpose(1, 0, 2).astype(np.float32), d, n, heads)
+        tk = tensor(GGML_TYPE_F16, k.transpose(1, 0, 2).astype(np.float16), d, n_kv, heads_kv)
+        tv = tensor(GGML_TYPE_F16, v.transpose(1, 0, 2).astype(np.float16), d, n_kv, heads_kv)
+        tm = tensor(GGML_TYPE_F16, mask.astype(np.float16), n_kv, n)
+        y = base.ggml_flash_attn_ext(ctx, tq, tk, tv, tm, scale, 0.0, 0.0)
+        graph = base.ggml_new_graph(ctx)
+        base.ggml_build_forward_expand(graph, y)
+        cpu.ggml_graph_compute_with_ctx(ctx, graph, 2)
+        out = (ctypes.c_float * (n * heads * d)).from_address(base.ggml_get_data(y))
+        return np.ctypeslib.as_array(out).reshape(n, heads, d).copy()
+    finally:
+        base.ggml_free(ctx)
+
+
+def _cells(rng: np.random.Generator, n_kv: int, heads_kv: int = 3, d: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    return rng.normal(0, 1, (n_kv, heads_kv, d)).astype(np.float16), rng.normal(0, 1, (n_kv, heads_kv, d)).astype(np.float16)
+
+
+def test_a_query_row_attends_alone_as_in_a_batch_whatever_the_masked_cells_hold(ggml):
+    # scripts/patches/ggml-cpu-x86-fa-rows.patch: a row takes its cells in blocks of 16 from the
+    # first; the 8 rows of a verify step (causal) against each row alone over the cells it sees,
+    # and alone again with 100 more cells past them, masked and holding NaN (a KV stream's unused
+    # cells hold whatever was there)
+    rng = np.random.default_rng(5)
+    n_kv, n = 757, 8
+    k, v = _cells(rng, n_kv)
+    q = rng.normal(0, 1, (n, 9, 64)).astype(np.float32)
+    seen = n_kv - n + 1 + np.arange(n)  # row i sees cells [0, seen[i])
+    mask = np.where(np.arange(n_kv)[None, :] < seen[:, None], 0.0, -np.inf)
+    batch = _attention(ggml, q, k, v, mask, 0.125)
+    junk = np.full((100, 3, 64), np.nan, dtype=np.float16)
+    for i in range(n):
+        alone = _attention(ggml, q[i : i + 1], k, v, mask[i : i + 1], 0.125)[0]
+        assert np.array_equal(alone, batch[i]), (i, float(np.abs(alone - batch[i]).max()))
+        longer = _attention(
+            ggml,
+            q[i : i + 1],
+            np.concatenate([k, junk]),
+            np.concatenate([v, junk]),
+            np.concatenate([mask[i : i + 1], np.full((1, 100), -np.inf)], axis=1),
+            0.125,
+        )[0]
+        assert np.array_equal(longer, alone), i
+
+
+def test_a_query_rows_attention_is_the_exact_softmax_to_f32_rounding(ggml):
+    # against float64 over the same f16 cells. The stock loop summed V in f16 (about 1e-3 off at
+    # these sizes), the patched one in f32
+    rng = np.random.default_rng(6)
+    for n_kv in (1, 15, 16, 17, 300, 1500):
+        k, v = _cells(rng, n_kv)
+        q = rng.normal(0, 1, (3, 9, 64)).astype(np.float32)
+        mask = np.zeros((3, n_kv))
+        mask[1, 1::3] = -np.inf  # every third cell hidden from row 1
+        got = _attention(ggml, q, k, v, mask, 0.125)
+        for i in range(3):
+            for h in range(9):
+                kk, vv = k[:, h // 3].astype(np.float64), v[:, h // 3].astype(np.float64)
+                s = kk @ q[i, h].astype(np.float64) * 0.125 + mask[i]
+                p = np.exp(s - s.max())
+                want = (p @ vv) / p.sum()
+                assert np.abs(got[i, h] - want).max() < 2e-5, (n_kv, i, h, float(np.abs(got[i, h] - want).max()))
