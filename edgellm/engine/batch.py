@@ -286,61 +286,7 @@ class BatchEngine:
         gen = [s for s in seqs if s.last >= 0]
         join = [s for s in seqs if s.last < 0 and s.leader is None and len(s.prompt) - s.n_done == 1] if self.invariant else []
         if gen or join:
-            # drafted tokens each may add: the step stays under FA_TILE rows in all, where every row is
-            # computed as it would be alone (engine.speculative), whoever else is generating
-            share = max(0, (min(self.batch.capacity, FA_TILE - 1) - len(gen) - len(join)) // max(1, len(gen)))
-            for s in gen:
-                if s.spec is not None:
-                    room = min(
-                        share, self.n_ctx_seq - len(self.cached[s.slot]) - 2, s.sampling.max_tokens - s.stats.generated_tokens - 1
-                    )
-                    s.draft = s.spec.propose(room)
-
-            def fill_gen(b: Batch, live: list[Sequence]) -> None:
-                # llama.cpp puts sequences of their own KV streams in one ubatch only while their ids run
-                # on without a gap (split_equal, sequential): an idle slot between two running ones would
-                # cost a second pass over the weights, so it gets a throw-away row past its cells, removed
-                # after the decode. Every row is computed as alone, so no reply depends on it.
-                by_slot = {s.slot: s for s in live}
-                lo, hi = min(by_slot), max(by_slot)
-                self.fillers = [
-                    (i, len(self.cached[i]))
-                    for i in range(lo, hi)
-                    if self.invariant and i not in by_slot and len(self.cached[i]) + 1 < self.n_ctx_seq
-                ]
-                pad = dict(self.fillers)
-                for i in range(lo, hi + 1):
-                    s = by_slot.get(i)
-                    if s is None:
-                        if i in pad:
-                            b.add(0, pad[i], i, False)
-                    elif s.last < 0:  # a joining newcomer's last prompt token
-                        s.out = b.add(s.prompt[-1], len(s.prompt) - 1, i, True)
-                    else:
-                        pos = len(self.cached[i])
-                        s.out = b.add(s.last, pos, i, True)
-                        s.rows = [s.out] + [b.add(d, pos + 1 + k, i, True) for k, d in enumerate(s.draft)]
-
-            t = time.perf_counter()
-            n += self._decode(gen + join, fill_gen)
-            now = time.perf_counter()
-            for i, pos in self.fillers:
-                llama_cpp.llama_memory_seq_rm(self.mem, i, pos, -1)
-            self.fillers = []
-            for s in join:
-                if self.slots[s.slot] is s:
-                    self.cached[s.slot].append(s.prompt[-1])
-                    s.n_done += 1
-                    self._sample(s, now)
-            for s in gen:
-                if self.slots[s.slot] is s:
-                    self.cached[s.slot].append(s.last)
-                    if s.draft:
-                        self._verify(s, now, now - t)
-                    else:
-                        if s.spec is not None:
-                            s.spec.plain(now - t)
-                        self._sample(s, now)
+            n += self._step_running(gen, join)
         for s in seqs:
             left = len(s.prompt) - s.n_done
             if left <= 0 or self.slots[s.slot] is not s or (s.leader is not None and not self._follow(s)):
@@ -370,6 +316,65 @@ class BatchEngine:
             s.n_done += k
             if s.out >= 0:
                 self._sample(s, time.perf_counter())
+        return n
+
+    def _step_running(self, gen: list[Sequence], join: list[Sequence]) -> int:
+        """Decode the generating sequences' tokens (and their drafts) with the joining newcomers' last prompt tokens."""
+        # drafted tokens each may add: the step stays under FA_TILE rows in all, where every row is
+        # computed as it would be alone (engine.speculative), whoever else is generating
+        share = max(0, (min(self.batch.capacity, FA_TILE - 1) - len(gen) - len(join)) // max(1, len(gen)))
+        for s in gen:
+            if s.spec is not None:
+                room = min(
+                    share, self.n_ctx_seq - len(self.cached[s.slot]) - 2, s.sampling.max_tokens - s.stats.generated_tokens - 1
+                )
+                s.draft = s.spec.propose(room)
+
+        def fill_gen(b: Batch, live: list[Sequence]) -> None:
+            # llama.cpp puts sequences of their own KV streams in one ubatch only while their ids run
+            # on without a gap (split_equal, sequential): an idle slot between two running ones would
+            # cost a second pass over the weights, so it gets a throw-away row past its cells, removed
+            # after the decode. Every row is computed as alone, so no reply depends on it.
+            by_slot = {s.slot: s for s in live}
+            lo, hi = min(by_slot), max(by_slot)
+            self.fillers = [
+                (i, len(self.cached[i]))
+                for i in range(lo, hi)
+                if self.invariant and i not in by_slot and len(self.cached[i]) + 1 < self.n_ctx_seq
+            ]
+            pad = dict(self.fillers)
+            for i in range(lo, hi + 1):
+                s = by_slot.get(i)
+                if s is None:
+                    if i in pad:
+                        b.add(0, pad[i], i, False)
+                elif s.last < 0:  # a joining newcomer's last prompt token
+                    s.out = b.add(s.prompt[-1], len(s.prompt) - 1, i, True)
+                else:
+                    pos = len(self.cached[i])
+                    s.out = b.add(s.last, pos, i, True)
+                    s.rows = [s.out] + [b.add(d, pos + 1 + k, i, True) for k, d in enumerate(s.draft)]
+
+        t = time.perf_counter()
+        n = self._decode(gen + join, fill_gen)
+        now = time.perf_counter()
+        for i, pos in self.fillers:
+            llama_cpp.llama_memory_seq_rm(self.mem, i, pos, -1)
+        self.fillers = []
+        for s in join:
+            if self.slots[s.slot] is s:
+                self.cached[s.slot].append(s.prompt[-1])
+                s.n_done += 1
+                self._sample(s, now)
+        for s in gen:
+            if self.slots[s.slot] is s:
+                self.cached[s.slot].append(s.last)
+                if s.draft:
+                    self._verify(s, now, now - t)
+                else:
+                    if s.spec is not None:
+                        s.spec.plain(now - t)
+                    self._sample(s, now)
         return n
 
     def _decode(self, seqs: list[Sequence], fill: Callable[[Batch, list[Sequence]], None]) -> int:
