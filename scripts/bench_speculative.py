@@ -246,8 +246,17 @@ class Server:
         sys.exit("error: llama-server did not become healthy")
 
     def chat(self, prompt: str, tokens: int) -> dict:
+        # cache_prompt off: each prompt is computed fresh, as `edgellm chat` (a fresh process) computes it;
+        # with it on, the cells of the template's opening came from the prompt answered before, computed in
+        # other batches, and the reply at temperature 0 changed with the order of the prompts
         body = json.dumps(
-            {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": tokens, "seed": 0}
+            {
+                "messages": [{"role": "user", "content": prompt}],
+                "temperature": 0,
+                "max_tokens": tokens,
+                "seed": 0,
+                "cache_prompt": False,
+            }
         ).encode()
         req = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/chat/completions", body, {"Content-Type": "application/json"}
