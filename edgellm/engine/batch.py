@@ -153,7 +153,6 @@ class BatchEngine:
         self.verify_cost = VerifyCost()
         # rows decode as they would alone (the edgellm ggml patches): pieces of one token are safe
         self.invariant = backends.keep_batch_invariant(FA_TILE)
-        self.fillers: list[tuple[int, int]] = []  # (slot, position) of this step's throw-away rows
 
     # -- admission -------------------------------------------------------------
 
@@ -330,6 +329,8 @@ class BatchEngine:
                 )
                 s.draft = s.spec.propose(room)
 
+        fillers: list[tuple[int, int]] = []  # (slot, position) of this step's throw-away rows
+
         def fill_gen(b: Batch, live: list[Sequence]) -> None:
             # llama.cpp puts sequences of their own KV streams in one ubatch only while their ids run
             # on without a gap (split_equal, sequential): an idle slot between two running ones would
@@ -337,12 +338,12 @@ class BatchEngine:
             # after the decode. Every row is computed as alone, so no reply depends on it.
             by_slot = {s.slot: s for s in live}
             lo, hi = min(by_slot), max(by_slot)
-            self.fillers = [
+            fillers[:] = [
                 (i, len(self.cached[i]))
                 for i in range(lo, hi)
                 if self.invariant and i not in by_slot and len(self.cached[i]) + 1 < self.n_ctx_seq
             ]
-            pad = dict(self.fillers)
+            pad = dict(fillers)
             for i in range(lo, hi + 1):
                 s = by_slot.get(i)
                 if s is None:
@@ -358,9 +359,8 @@ class BatchEngine:
         t = time.perf_counter()
         n = self._decode(gen + join, fill_gen)
         now = time.perf_counter()
-        for i, pos in self.fillers:
+        for i, pos in fillers:
             llama_cpp.llama_memory_seq_rm(self.mem, i, pos, -1)
-        self.fillers = []
         for s in join:
             if self.slots[s.slot] is s:
                 self.cached[s.slot].append(s.prompt[-1])
