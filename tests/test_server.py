@@ -773,3 +773,38 @@ def test_each_sequence_in_a_batch_keeps_its_own_schema_and_stop_strings(batching
     assert r_json.choices[0].message.content.lstrip().startswith(("{", "["))
     text = r_stop.choices[0].message.content
     assert "." not in text and text.strip() and r_stop.choices[0].finish_reason == "stop", r_stop
+
+
+def _short_reply(c: openai.OpenAI, **kw):
+    return c.chat.completions.create(
+        model=DEFAULT_NAME,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=40,
+        temperature=0,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("which", ["one slot", "batched"])
+def test_ignore_eos_runs_a_reply_to_max_tokens_and_keeps_its_start(which, request):
+    # llama-server's `ignore_eos`: what load tests send so that every reply is the same length
+    url = request.getfixturevalue("server") if which == "one slot" else request.getfixturevalue("batching")[1]
+    c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    plain = _short_reply(c)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 40, plain
+    full = _short_reply(c, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 40, full
+    # the same greedy tokens up to where the plain reply ended
+    assert full.choices[0].message.content.startswith(plain.choices[0].message.content), (full, plain)
+
+
+def test_ignore_eos_bad_values_are_400(server):
+    chat = lambda **kw: json.dumps({"model": DEFAULT_NAME, "messages": [{"role": "user", "content": "Hi"}], **kw}).encode()
+    status, _, body = _raw(server, "/v1/chat/completions", chat(ignore_eos="yes"))
+    assert status == 400 and body["error"]["param"] == "ignore_eos", body
+    status, _, body = _raw(server, "/v1/chat/completions", chat(ignore_eos=True, response_format={"type": "json_object"}))
+    assert status == 400 and "a finished grammar" in body["error"]["message"], body
+    status, _, body = _raw(
+        server, "/v1/completions", json.dumps({"prompt": "Hi", "ignore_eos": True, "response_format": {"type": "json_object"}}).encode()
+    )
+    assert status == 400 and body["error"]["param"] == "ignore_eos", body

@@ -66,6 +66,8 @@ class SamplingParams:
     # speculative decoding (engine.speculative): "off", "ngram", or "model" (the runtime's attached draft model)
     draft: str = "off"
     draft_max: int = 0  # most drafted tokens per step; 0: the default (48)
+    # end-of-generation tokens are never sampled (llama-server's `ignore_eos`): a reply runs to max_tokens
+    ignore_eos: bool = False
 
 
 @dataclass

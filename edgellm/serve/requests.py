@@ -153,6 +153,10 @@ def _sampling(body: dict) -> tuple[SamplingParams, Optional[int]]:
     if top_k is not None:
         sp.top_k = top_k
     sp.seed = _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
+    ignore_eos = body.get("ignore_eos", False)  # llama-server's field: replies of exactly max_tokens (benchmarks)
+    if not isinstance(ignore_eos, bool):
+        raise _bad("'ignore_eos' must be a boolean", "ignore_eos", "invalid_type")
+    sp.ignore_eos = ignore_eos
     # speculative decoding (issue 26): "draft": "ngram"|"off", absent: the server's --draft
     draft = body.get("draft", "")
     if draft not in ("", "off", "ngram"):
@@ -164,6 +168,16 @@ def _sampling(body: dict) -> tuple[SamplingParams, Optional[int]]:
         or 0
     )
     return sp, max_tokens
+
+
+def _grammar_ends(sp: SamplingParams, constrained: bool) -> None:
+    # A finished grammar allows only the end of the reply, which ignore_eos takes away: nothing would be left to sample.
+    if sp.ignore_eos and constrained:
+        raise _bad(
+            "'ignore_eos' cannot be combined with 'response_format' or 'tools': a finished grammar can only end the reply",
+            "ignore_eos",
+            "unsupported_value",
+        )
 
 
 def _constraint(body: dict) -> Any:
@@ -255,6 +269,7 @@ def parse_chat(body: dict) -> JobRequest:
             "response_format",
             "unsupported_parameter",
         )
+    _grammar_ends(sp, constraint is not None or (tool_req is not None and tool_req.offered()))
     return JobRequest(
         "chat",
         messages=messages,
@@ -278,12 +293,14 @@ def parse_completion(body: dict) -> JobRequest:
         raise _bad("'suffix' is not supported by this server", "suffix", "unsupported_parameter")
     sp, max_tokens = _sampling(body)
     lp = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    constraint = _constraint(body)
+    _grammar_ends(sp, constraint is not None)
     return JobRequest(
         "completion",
         prompt=p,
         sampling=sp,
         max_tokens=16 if max_tokens is None else max_tokens,
-        constraint=_constraint(body),
+        constraint=constraint,
         logprobs=lp,
     )
 
