@@ -589,6 +589,39 @@ def test_a_shared_system_prompt_is_reused_up_to_the_last_turn_and_gives_the_fres
     assert logprobs(again) == logprobs(fresh)
 
 
+def test_another_question_on_a_system_prompt_reuses_the_turn_opening_it_shares_and_gives_the_fresh_reply(batching):
+    # Cells past the last turn's start were computed row by row in the cached prompt too, when its last turn
+    # started at the same place: a question sharing its opening ("When does berth ") reuses those cells and
+    # decodes only the rest (before, the whole turn), and the reply is still the fresh one to the bit.
+    _, url = batching
+    c = _par_client(url)
+    system = f"You answer questions about the port (run {time.time()}). " + " ".join(
+        f"Berth {i} takes ships up to {120 + 9 * i} metres and opens at {5 + i % 6}:30." for i in range(40)
+    )
+
+    def ask(q: str):
+        return c.chat.completions.create(
+            model=DEFAULT_NAME,
+            max_tokens=24,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=5,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+        )
+
+    fresh = ask("When does berth 14 open?")
+    other = ask("When does berth 3 open?")
+    again = ask("When does berth 14 open?")
+    assert fresh.usage.prompt_tokens_details.cached_tokens < 40
+    for r in (other, again):
+        left = r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
+        assert 1 <= left <= 10, r.usage  # the turn is ~20 tokens; "...berth 3 open?" and the assistant's opening are left
+    assert again.choices[0].message.content == fresh.choices[0].message.content
+    assert [[t.logprob for t in tok.top_logprobs] for tok in again.choices[0].logprobs.content] == [
+        [t.logprob for t in tok.top_logprobs] for tok in fresh.choices[0].logprobs.content
+    ]
+
+
 def _ask_n(c: openai.OpenAI, q: str, n: int):
     return c.chat.completions.create(
         model=DEFAULT_NAME, max_tokens=n, temperature=0, logprobs=True, top_logprobs=5, messages=[{"role": "user", "content": q}]

@@ -145,6 +145,8 @@ class BatchEngine:
         self.cached: list[list[int]] = [[] for _ in range(n_parallel)]  # tokens each seq_id holds in the KV cache
         # whether each slot's prompt cells were computed tiled (a prompt of FA_TILE+ tokens) or row by row
         self.tiled = [False] * n_parallel
+        # where each slot's row-by-row cells begin: the tail start of the prompt that filled it (0 for a short one)
+        self.rows_from = [0] * n_parallel
         self.used_at = [0.0] * n_parallel
         self.default_seed = rt.options.seed
         # counters for /metrics
@@ -229,7 +231,11 @@ class BatchEngine:
         if not tiled:
             keep = min(best, len(prompt) - (1 if self.invariant else 2))
         elif seq.tail <= best and seq.tail < len(prompt):
-            keep = seq.tail
+            # A prompt whose last turn started where this one's does (another question on the same system
+            # prompt) computed its cells from there row by row too: the ones this prompt shares are the cells
+            # it would compute, so only the rest of its turn is decoded.
+            same_rows = self.invariant and self.rows_from[src] == seq.tail
+            keep = min(best, len(prompt) - 1) if same_rows else seq.tail
         else:
             keep = min(best, seq.tail - FA_TILE)
         keep = max(0, keep)
@@ -243,6 +249,7 @@ class BatchEngine:
                 llama_cpp.llama_memory_seq_rm(self.mem, dst, keep, -1)
         self.cached[dst] = list(prompt[:keep])
         self.tiled[dst] = tiled
+        self.rows_from[dst] = seq.tail if tiled else 0
         seq.n_done = keep
         return keep
 
