@@ -552,74 +552,63 @@ def test_a_reused_prefix_gives_the_reply_a_fresh_prompt_gives(batching):
     assert logprobs(rs[1]) == logprobs(rs[0]) and logprobs(rs[2]) == logprobs(rs[0])
 
 
+def _berths(place: str, metres: int, step: int, first_hour: int, minutes: str) -> str:
+    """A ~700-token system prompt of facts, new to the server's cache (the run's time is in it)."""
+    return f"You answer questions about the {place} (run {time.time()}). " + " ".join(
+        f"Berth {i} takes ships up to {metres + step * i} metres and opens at {first_hour + i % 5}:{minutes}." for i in range(40)
+    )
+
+
+def _ask_on(c: openai.OpenAI, system: str, q: str):
+    """A greedy 24-token reply to `q` under `system`, with its top-5 logprobs."""
+    return c.chat.completions.create(
+        model=DEFAULT_NAME,
+        max_tokens=24,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+    )
+
+
+def _same_reply(r, fresh) -> None:
+    assert r.choices[0].message.content == fresh.choices[0].message.content
+    top5 = lambda x: [[t.logprob for t in tok.top_logprobs] for tok in x.choices[0].logprobs.content]  # noqa: E731
+    assert top5(r) == top5(fresh)
+
+
 def test_a_shared_system_prompt_is_reused_up_to_the_last_turn_and_gives_the_fresh_reply(batching):
     # A long prompt's last turn (from the first turn marker in its last MAX_ROW_TAIL tokens) is computed
     # row by row, fresh or reused, so another question on the same system prompt reuses every cell before
     # that turn and decodes only the turn -- and still gets, to the bit, the reply it gets computed fresh
     # (before, it re-decoded a tiled tail of FA_TILE tokens: 4x the turn on the RAG workload)
-    _, url = batching
-    c = _par_client(url)
-    system = f"You answer questions about the harbour (run {time.time()}). " + " ".join(
-        f"Berth {i} takes ships up to {100 + 7 * i} metres and opens at {6 + i % 5}:00." for i in range(40)
-    )
-
-    def ask(q: str):
-        return c.chat.completions.create(
-            model=DEFAULT_NAME,
-            max_tokens=24,
-            temperature=0,
-            logprobs=True,
-            top_logprobs=5,
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
-        )
-
-    fresh = ask("Which berth takes the longest ship?")
-    other = ask("When does berth 3 open?")  # reuses the system prompt from `fresh`'s slot
-    again = ask("Which berth takes the longest ship?")  # its own cells past the system prompt are gone
+    c = _par_client(batching[1])
+    system = _berths("harbour", 100, 7, 6, "00")
+    fresh = _ask_on(c, system, "Which berth takes the longest ship?")
+    other = _ask_on(c, system, "When does berth 3 open?")  # reuses the system prompt from `fresh`'s slot
+    again = _ask_on(c, system, "Which berth takes the longest ship?")  # its own cells past the system prompt are gone
     for r in (other, again):
         cached, n = r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens
         assert 500 < cached and 2 <= n - cached <= 48, r.usage
     assert fresh.usage.prompt_tokens_details.cached_tokens < 40
     assert again.usage.prompt_tokens_details.cached_tokens == other.usage.prompt_tokens_details.cached_tokens
-
-    def logprobs(r) -> list[list[float]]:
-        return [[t.logprob for t in tok.top_logprobs] for tok in r.choices[0].logprobs.content]
-
-    assert again.choices[0].message.content == fresh.choices[0].message.content
-    assert logprobs(again) == logprobs(fresh)
+    _same_reply(again, fresh)
 
 
 def test_another_question_on_a_system_prompt_reuses_the_turn_opening_it_shares_and_gives_the_fresh_reply(batching):
     # Cells past the last turn's start were computed row by row in the cached prompt too, when its last turn
     # started at the same place: a question sharing its opening ("When does berth ") reuses those cells and
     # decodes only the rest (before, the whole turn), and the reply is still the fresh one to the bit.
-    _, url = batching
-    c = _par_client(url)
-    system = f"You answer questions about the port (run {time.time()}). " + " ".join(
-        f"Berth {i} takes ships up to {120 + 9 * i} metres and opens at {5 + i % 6}:30." for i in range(40)
-    )
-
-    def ask(q: str):
-        return c.chat.completions.create(
-            model=DEFAULT_NAME,
-            max_tokens=24,
-            temperature=0,
-            logprobs=True,
-            top_logprobs=5,
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
-        )
-
-    fresh = ask("When does berth 14 open?")
-    other = ask("When does berth 3 open?")
-    again = ask("When does berth 14 open?")
+    c = _par_client(batching[1])
+    system = _berths("port", 120, 9, 5, "30")
+    fresh = _ask_on(c, system, "When does berth 14 open?")
+    other = _ask_on(c, system, "When does berth 3 open?")
+    again = _ask_on(c, system, "When does berth 14 open?")
     assert fresh.usage.prompt_tokens_details.cached_tokens < 40
     for r in (other, again):
         left = r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
         assert 1 <= left <= 10, r.usage  # the turn is ~20 tokens; "...berth 3 open?" and the assistant's opening are left
-    assert again.choices[0].message.content == fresh.choices[0].message.content
-    assert [[t.logprob for t in tok.top_logprobs] for tok in again.choices[0].logprobs.content] == [
-        [t.logprob for t in tok.top_logprobs] for tok in fresh.choices[0].logprobs.content
-    ]
+    _same_reply(again, fresh)
 
 
 def _ask_n(c: openai.OpenAI, q: str, n: int):
@@ -810,11 +799,7 @@ def test_each_sequence_in_a_batch_keeps_its_own_schema_and_stop_strings(batching
 
 def _short_reply(c: openai.OpenAI, **kw):
     return c.chat.completions.create(
-        model=DEFAULT_NAME,
-        messages=[{"role": "user", "content": "Say hello."}],
-        max_tokens=40,
-        temperature=0,
-        **kw,
+        model=DEFAULT_NAME, messages=[{"role": "user", "content": "Say hello."}], max_tokens=40, temperature=0, **kw
     )
 
 
@@ -837,7 +822,14 @@ def test_ignore_eos_bad_values_are_400(server):
     assert status == 400 and body["error"]["param"] == "ignore_eos", body
     status, _, body = _raw(server, "/v1/chat/completions", chat(ignore_eos=True, response_format={"type": "json_object"}))
     assert status == 400 and "a finished grammar" in body["error"]["message"], body
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    status, _, body = _raw(server, "/v1/chat/completions", chat(ignore_eos=True, tools=[tool]))
+    assert status == 400 and body["error"]["param"] == "ignore_eos", body
+    status, _, body = _raw(server, "/v1/chat/completions", chat(ignore_eos=True, tools=[tool], tool_choice="none", max_tokens=2))
+    assert status == 200, body  # no tool offered: no grammar
     status, _, body = _raw(
-        server, "/v1/completions", json.dumps({"prompt": "Hi", "ignore_eos": True, "response_format": {"type": "json_object"}}).encode()
+        server,
+        "/v1/completions",
+        json.dumps({"prompt": "Hi", "ignore_eos": True, "response_format": {"type": "json_object"}}).encode(),
     )
     assert status == 400 and body["error"]["param"] == "ignore_eos", body

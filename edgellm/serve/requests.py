@@ -269,7 +269,7 @@ def parse_chat(body: dict) -> JobRequest:
             "response_format",
             "unsupported_parameter",
         )
-    _grammar_ends(sp, constraint is not None or (tool_req is not None and tool_req.offered()))
+    _grammar_ends(sp, constraint is not None or (tool_req is not None and bool(tool_req.offered())))
     return JobRequest(
         "chat",
         messages=messages,
