@@ -114,6 +114,26 @@ def test_policy_drafts_long_when_drafts_are_right_and_not_at_all_when_wrong():
     assert cheap.ratio(5) == pytest.approx(1.1) and q.__class__(cost=cheap, hits=q.hits, misses=q.misses).choose(0, 40) > 0
 
 
+def test_a_draft_models_later_tokens_are_priced_by_how_often_they_are_right():
+    # the 135M drafting for its 1.93B widening: the first three drafted tokens nearly always right, the
+    # fourth on in one of three. One acceptance for every place (8 right of 11 per draft of 6) drafted 6.
+    cost = VerifyCost(t1=1.0, tn={n: 1.0 + 0.1 * (n - 1) for n in range(2, 10)}, frozen=True)  # memory-bound: rows cheap
+    p = DraftPolicy(cost=cost, draft_cost=0.08)
+    for _ in range(12):
+        p.record(-1, 3, True)  # three right, then the fourth wrong
+        p.record(-1, 4, True)  # four right, then the fifth wrong
+        p.record(-1, 3, True)
+    assert all(p.acceptance(p.position_bucket(-1, j)) > 0.95 for j in range(3))
+    assert p.acceptance(p.position_bucket(-1, 3)) < 0.5
+    assert p.choose(-1, 8) == 3
+    # a place with no evidence yet is priced as the place before it: drafts of one right token lead to
+    # longer ones (from one in two, they stayed at one token a step: 54 drafted in 51 steps)
+    q = DraftPolicy(cost=cost, draft_cost=0.08)
+    for _ in range(8):
+        q.record(-1, 1, False)
+    assert q.choose(-1, 8) >= 3
+
+
 def test_a_copy_of_the_prompt_turns_drafting_on_while_it_is_being_copied():
     # a reply that starts copying an 80-token passage of its prompt: the shadow draft from the first
     # 2-token match is right token after token, and those tokens teach the longer-match buckets

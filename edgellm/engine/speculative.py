@@ -16,9 +16,10 @@ On a CPU verifying is not free: a batch of k+1 tokens costs more than one
 token (here pp2 is 1.7x, pp8 4.9x a single token's time on a 1.93B model),
 so a draft pays only when it is long and right. `DraftPolicy` learns, per
 sequence, how often a drafted token is accepted (by the length of the match
-it extends: 2-3, 4-7, 8-15, 16+ tokens, or from a draft model), and `VerifyCost` this
-machine's cost of a step of n tokens against a single one (measured from
-the steps the loop makes; llama-bench's figures as the prior). Each step
+it extends: 2-3, 4-7, 8-15, 16+ tokens, or, from a draft model, by its
+place in the draft), and `VerifyCost` this machine's cost of a step of n
+tokens against a single one (measured from the steps the loop makes;
+llama-bench's figures as the prior). Each step
 drafts the k that maximises expected tokens per unit of time, 1 + a1 + a1 a2
 + ... over cost(k+1) (+ k draft-model decodes), and none when no k beats a
 plain step. An n-gram draft costs nothing to make, so when the policy
@@ -51,8 +52,13 @@ DEFAULT_DRAFT_MAX = 48
 # reply would not be the one decoding without drafts gives.
 FA_TILE = 64
 DRAFT_MAX_LIMIT = FA_TILE - 2
-MATCH_BUCKETS = (2, 4, 8, 16)  # n-gram match lengths starting each bucket; a draft model's drafts are bucket 4
+MATCH_BUCKETS = (2, 4, 8, 16)  # n-gram match lengths starting each bucket
+# A draft model's tokens have buckets of their own, one per place in the draft (the last for that place and
+# on): each drafted token is right less often than the one before it, as the draft model drifts from the
+# target (1.93B Q8_0 with the 135M Q4_0: ~0.87 for the first three, less after). One bucket for all
+# priced the fifth token as the first and drafted 5-6 a step where 3 paid.
 MODEL_BUCKET = len(MATCH_BUCKETS)
+MODEL_PLACES = 4
 # llama-bench pp-n vs tg on a 1.93B Q4_K_M, 2 threads (issue #26): step time of n tokens / one token's
 _PRIOR = ((1, 1.0), (2, 1.72), (4, 2.81), (8, 4.87), (16, 5.79))
 _DECAY = 0.85  # per resolved draft reaching a bucket: about the last 7 such drafts decide
@@ -61,6 +67,11 @@ _DECAY = 0.85  # per resolved draft reaching a bucket: about the last 7 such dra
 # turns drafting on as early either way (its shadow teaches the buckets)
 _PSEUDO = 1.0
 _MARGIN = 1.03  # a draft must promise this much over a plain step
+
+
+def _fresh_counts() -> list[float]:
+    """Hits (or misses) before any evidence: one each per bucket; a draft model's later places none (`acceptance`)."""
+    return [_PSEUDO] * (MODEL_BUCKET + 1) + [0.0] * (MODEL_PLACES - 1)
 
 
 class DraftMismatch(UsageError):
@@ -136,8 +147,8 @@ class DraftPolicy:
 
     cost: VerifyCost = field(default_factory=VerifyCost)
     draft_cost: float = 0.0  # a drafted token's cost in target single-token steps (a draft model's decode)
-    hits: list[float] = field(default_factory=lambda: [_PSEUDO] * (MODEL_BUCKET + 1))
-    misses: list[float] = field(default_factory=lambda: [_PSEUDO] * (MODEL_BUCKET + 1))
+    hits: list[float] = field(default_factory=lambda: _fresh_counts())
+    misses: list[float] = field(default_factory=lambda: _fresh_counts())
 
     @staticmethod
     def bucket(match_len: int) -> int:
@@ -150,11 +161,16 @@ class DraftPolicy:
         return b
 
     def acceptance(self, bucket: int) -> float:
-        return self.hits[bucket] / (self.hits[bucket] + self.misses[bucket])
+        h, m = self.hits[bucket], self.misses[bucket]
+        if bucket > MODEL_BUCKET:
+            # a later place starts from the place before it, not from one in two: drafts of one token
+            # would otherwise never teach the second place that it pays
+            return (h + 2 * _PSEUDO * self.acceptance(bucket - 1)) / (h + m + 2 * _PSEUDO)
+        return h / (h + m)
 
     def position_bucket(self, match_len: int, j: int) -> int:
         """The bucket of the j-th drafted token (0-based) of a draft from a `match_len` match (-1: a draft model)."""
-        return MODEL_BUCKET if match_len < 0 else self.bucket(match_len + j)
+        return MODEL_BUCKET + min(j, MODEL_PLACES - 1) if match_len < 0 else self.bucket(match_len + j)
 
     def hit(self, match_len: int, j: int) -> None:
         self.hits[self.position_bucket(match_len, j)] += 1
@@ -223,8 +239,8 @@ class Speculator:
         self.draft_max = max(0, min(int(draft_max), DRAFT_MAX_LIMIT))
         self.policy = DraftPolicy(cost=cost or VerifyCost())
         if prior is not None:  # what earlier sequences on this model learned, at half weight: this one soon decides
-            self.policy.hits = [_PSEUDO + 0.5 * h for h in prior[0]]
-            self.policy.misses = [_PSEUDO + 0.5 * m for m in prior[1]]
+            self.policy.hits = [f + 0.5 * h for f, h in zip(_fresh_counts(), prior[0], strict=True)]
+            self.policy.misses = [f + 0.5 * m for f, m in zip(_fresh_counts(), prior[1], strict=True)]
         self.counters = DraftCounters()
         self.shadow: Optional[list[Any]] = None  # [draft, matched so far, match length it was drafted from]
         self.match = 0  # the match length the draft being verified came from (-1: a draft model)
