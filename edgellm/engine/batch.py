@@ -143,9 +143,8 @@ class BatchEngine:
         self.prompt_chunk = max(FA_TILE, prompt_chunk)  # a long prompt's chunks stay tiled
         self.slots: list[Optional[Sequence]] = [None] * n_parallel
         self.cached: list[list[int]] = [[] for _ in range(n_parallel)]  # tokens each seq_id holds in the KV cache
-        # whether each slot's prompt cells were computed tiled (a prompt of FA_TILE+ tokens) or row by row
-        self.tiled = [False] * n_parallel
-        # where each slot's row-by-row cells begin: the tail start of the prompt that filled it (0 for a short one)
+        # where each slot's row-by-row cells begin: the tail start (`row_tail_start`, FA_TILE or more) of the
+        # long prompt that filled it, its cells before that tiled; 0 for a short prompt, computed row by row whole
         self.rows_from = [0] * n_parallel
         self.used_at = [0.0] * n_parallel
         self.default_seed = rt.options.seed
@@ -215,7 +214,7 @@ class BatchEngine:
             # prompt cells computed on the path this prompt's take: tiled for a long one, row by row for a short
             # one. A conversation's earlier reply (row by row, drafts or not) is reused as llama-server does: a
             # next turn does not recompute it, and with or without drafts its cells are the same
-            return common_prefix(self.cached[i], prompt) if self.tiled[i] == tiled else 0
+            return common_prefix(self.cached[i], prompt) if (self.rows_from[i] > 0) == tiled else 0
 
         src, best = dst, usable(dst)
         for i in range(self.n_parallel):
@@ -248,7 +247,6 @@ class BatchEngine:
                 llama_cpp.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
                 llama_cpp.llama_memory_seq_rm(self.mem, dst, keep, -1)
         self.cached[dst] = list(prompt[:keep])
-        self.tiled[dst] = tiled
         self.rows_from[dst] = seq.tail if tiled else 0
         seq.n_done = keep
         return keep

@@ -40,17 +40,21 @@ def grammar_text(grammar: Any) -> Optional[str]:
     raise UsageError(f"cannot use {type(grammar).__name__} as a grammar")
 
 
-_EOG: dict[int, list[int]] = {}  # a vocabulary's end-of-generation tokens, by its address
+# A vocabulary's end-of-generation tokens: a scan of every token (~20 ms), so kept. The vocab is a bare address
+# (llama.cpp's bindings return an int), which a model loaded after an eviction can reuse: the key adds the
+# vocabulary's size and special tokens, which tell tokenizers apart.
+_EOG: dict[tuple[int, ...], list[int]] = {}
 
 
 def _no_eog_sampler(vocab: Any) -> Any:
     """A logit-bias sampler that takes every end-of-generation token out, as llama-server's `ignore_eos` does."""
-    key = ctypes.cast(vocab, ctypes.c_void_p).value or 0
+    n = llama_cpp.llama_vocab_n_tokens(vocab)
+    key = (int(vocab), n, llama_cpp.llama_vocab_bos(vocab), llama_cpp.llama_vocab_eos(vocab), llama_cpp.llama_vocab_eot(vocab))
     eog = _EOG.get(key)
     if eog is None:
-        eog = _EOG[key] = [t for t in range(llama_cpp.llama_vocab_n_tokens(vocab)) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+        eog = _EOG[key] = [t for t in range(n) if llama_cpp.llama_vocab_is_eog(vocab, t)]
     bias = (llama_cpp.llama_logit_bias * len(eog))(*[llama_cpp.llama_logit_bias(t, float("-inf")) for t in eog])
-    return llama_cpp.llama_sampler_init_logit_bias(llama_cpp.llama_vocab_n_tokens(vocab), len(eog), bias)
+    return llama_cpp.llama_sampler_init_logit_bias(n, len(eog), bias)
 
 
 class Sampler:
@@ -74,7 +78,7 @@ class Sampler:
                 if not g:
                     raise UsageError("llama.cpp could not parse the grammar")
                 add(self.ptr, g)
-            if getattr(sampling, "ignore_eos", False):
+            if sampling.ignore_eos:
                 add(self.ptr, _no_eog_sampler(vocab))
             if sampling.repeat_penalty and sampling.repeat_penalty != 1.0:
                 add(self.ptr, llama_cpp.llama_sampler_init_penalties(64, float(sampling.repeat_penalty), 0.0, 0.0))

@@ -147,8 +147,8 @@ class DraftPolicy:
 
     cost: VerifyCost = field(default_factory=VerifyCost)
     draft_cost: float = 0.0  # a drafted token's cost in target single-token steps (a draft model's decode)
-    hits: list[float] = field(default_factory=lambda: _fresh_counts())
-    misses: list[float] = field(default_factory=lambda: _fresh_counts())
+    hits: list[float] = field(default_factory=_fresh_counts)
+    misses: list[float] = field(default_factory=_fresh_counts)
 
     @staticmethod
     def bucket(match_len: int) -> int:
