@@ -479,7 +479,8 @@ def prepare(
         written, cached = written_tokens(
             base_path, model_sha256, sequences, threads=threads, on_progress=on_progress, cancel=cancel
         )
-        timing["tokens"] = round(time.perf_counter() - t0, 3)
+        if sequences > 0:  # a model too large to write any spent no time writing them (a GC pause would read as 0.001 s)
+            timing["tokens"] = round(time.perf_counter() - t0, 3)
         timing["tokens_cached"] = float(cached)
         for names in passes:
             t0 = time.perf_counter()
