@@ -29,7 +29,7 @@ import pytest
 from edgellm.engine import backends
 from edgellm.engine.ngram import NgramDrafter
 from edgellm.engine.runtime import GenerationStats, Runtime, RuntimeOptions, SamplingParams
-from edgellm.engine.speculative import FA_TILE, DraftMismatch, DraftPolicy, Speculator, VerifyCost
+from edgellm.engine.speculative import FA_TILE, DraftJudge, DraftMismatch, DraftPolicy, Speculator, VerifyCost
 from edgellm.engine.threads import ThreadController
 from support.stats import chi_square_p
 
@@ -114,24 +114,40 @@ def test_policy_drafts_long_when_drafts_are_right_and_not_at_all_when_wrong():
     assert cheap.ratio(5) == pytest.approx(1.1) and q.__class__(cost=cheap, hits=q.hits, misses=q.misses).choose(0, 40) > 0
 
 
-def test_a_draft_models_later_tokens_are_priced_by_how_often_they_are_right():
-    # the 135M drafting for its 1.93B widening: the first three drafted tokens nearly always right, the
-    # fourth on in one of three. One acceptance for every place (8 right of 11 per draft of 6) drafted 6.
-    cost = VerifyCost(t1=1.0, tn={n: 1.0 + 0.1 * (n - 1) for n in range(2, 10)}, frozen=True)  # memory-bound: rows cheap
+def test_a_draft_model_stops_drafting_where_it_is_unsure_and_goes_on_where_it_is_sure():
+    # the 135M drafting for its 1.93B widening: its sure tokens are nearly always right, its unsure
+    # ones often wrong. Priced by place in the draft instead, it drafted 11-15 a step and lost them all
+    # when the first token was an unsure one (0 of 15 after a 0.12).
+    cost = VerifyCost(t1=1.0, tn={n: 1.0 + 0.1 * (n - 1) for n in range(2, 18)}, frozen=True)  # memory-bound: rows cheap
     p = DraftPolicy(cost=cost, draft_cost=0.08)
+    sure, unsure = p.conf_bucket(0.99), p.conf_bucket(0.2)
+    assert sure != unsure and p.conf_bucket(0.0) == unsure and p.conf_bucket(1.0) == sure
     for _ in range(12):
-        p.record(-1, 3, True)  # three right, then the fourth wrong
-        p.record(-1, 4, True)  # four right, then the fifth wrong
-        p.record(-1, 3, True)
-    assert all(p.acceptance(p.position_bucket(-1, j)) > 0.95 for j in range(3))
-    assert p.acceptance(p.position_bucket(-1, 3)) < 0.5
-    assert p.choose(-1, 8) == 3
-    # a place with no evidence yet is priced as the place before it: drafts of one right token lead to
-    # longer ones (from one in two, they stayed at one token a step: 54 drafted in 51 steps)
-    q = DraftPolicy(cost=cost, draft_cost=0.08)
-    for _ in range(8):
-        q.record(-1, 1, False)
-    assert q.choose(-1, 8) >= 3
+        p.record_buckets([sure, sure, sure, unsure], 3, True)  # three sure ones right, the unsure one wrong
+    assert p.acceptance(sure) > 0.95 and p.acceptance(unsure) < 0.2
+
+    def judged(confs):
+        j = DraftJudge(p)
+        seen = 0
+        for c in confs:
+            seen += 1
+            if not j(c):
+                break
+        return j.best_k, seen
+
+    best, seen = judged([0.99, 0.99, 0.2, 0.99, 0.99])
+    assert best == 2 and seen == 3  # cut before the unsure token, and no token drafted past it
+    best, seen = judged([0.99] * 16)
+    assert best >= 12  # where every token is sure, long drafts pay (rows are cheap here)
+    assert judged([0.2])[0] == 0  # an unsure first token: no draft, a plain step
+    # where verifying is dear, the same sure tokens are drafted in short steps
+    dear = DraftPolicy(cost=VerifyCost(t1=1.0, tn={2: 1.5, 3: 1.65, 4: 1.9, 5: 2.7}, frozen=True), draft_cost=0.1)
+    dear.hits, dear.misses = p.hits, p.misses
+    j = DraftJudge(dear)
+    for _ in range(5):
+        if not j(0.99):
+            break
+    assert j.best_k == 3  # 4 rows cost 1.9 steps, 5 cost 2.7: not worth a fourth token
 
 
 def test_a_copy_of_the_prompt_turns_drafting_on_while_it_is_being_copied():
@@ -173,23 +189,32 @@ def test_a_draft_model_is_tried_early_and_priced_by_its_own_decodes():
         decodes its own: one of those is what a drafted token costs."""
 
         decode_seconds = 0.0
+        conf: list[float] = []
 
         def push(self, token):
             pass
 
-        def draft(self, k):
+        def draft(self, k, judge=None):
             time.sleep(0.05)
             self.decode_seconds = 0.01
-            return [7] * k, -1
+            self.conf = []
+            for _ in range(k):
+                self.conf.append(0.99)
+                if judge is not None and not judge(0.99):
+                    break
+            return [7] * len(self.conf), -1
 
     sp = Speculator(SlowCatchUp(), cost=VerifyCost())
     assert sp.propose(48) == []  # the first step is plain: it prices a step
     sp.plain(0.100)
     d = sp.propose(48)
-    assert len(d) == 4  # then a probe, not after probe_every plain steps
+    assert len(d) == 3  # then a probe of llama-server's length, not after probe_every plain steps
     assert sp.policy.draft_cost == pytest.approx(0.1)  # one draft decode / one target step, not the catch-up
-    sp.verified(4, 4, False, 0.05 + 0.25)  # the step's seconds include making the draft
-    assert sp.policy.cost.tn[5] == pytest.approx(0.25, abs=0.01)
+    sp.verified(3, 3, False, 0.05 + 0.20)  # the step's seconds include making the draft
+    assert sp.policy.cost.tn[4] == pytest.approx(0.20, abs=0.01)
+    # then drafts as long as the judge finds worth it, the sure tokens' acceptance learned from the probe
+    d = sp.propose(48)
+    assert 3 <= len(d) < 48 and sp.buckets == [sp.policy.conf_bucket(0.99)] * len(d)
 
 
 def test_thread_controller_follows_the_load_and_the_measured_token_times():

@@ -59,6 +59,9 @@ class NgramDrafter:
                 if a != SEP and t != SEP:
                     index.setdefault((a << 32) | t, []).append(n)
 
+    def prefill(self) -> None:
+        """Nothing to compute ahead: the table is built as tokens come (a draft model's drafter decodes here)."""
+
     def push(self, token: int) -> None:
         toks = self.toks
         toks.append(token)

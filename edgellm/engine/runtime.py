@@ -322,6 +322,8 @@ class Runtime:
                 st.stop_reason = "cancelled"
                 return
             kv.extend(prompt[keep:])
+            if spec is not None:
+                spec.drafter.prefill()
             yield from generate(
                 ctx,
                 vocab,
@@ -356,7 +358,7 @@ class Runtime:
     def attach_draft(self, draft: Optional[Runtime]) -> None:
         """Use `draft` (same vocabulary, else DraftMismatch naming what differs) for `SamplingParams(draft="model")`."""
         if draft is not None:
-            from edgellm.engine.speculative import check_compatible
+            from edgellm.engine.draft_model import check_compatible
 
             check_compatible(self, draft, names=(self.path.name, draft.path.name))
         self.draft_runtime = draft
@@ -365,7 +367,8 @@ class Runtime:
         mode = (s.draft or self.options.draft or "off").lower()
         if mode == "off":
             return None
-        from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, DRAFT_MODES, ModelDrafter, NgramDrafter, Speculator, VerifyCost
+        from edgellm.engine.draft_model import ModelDrafter
+        from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, DRAFT_MODES, NgramDrafter, Speculator, VerifyCost
 
         if mode not in DRAFT_MODES:
             raise UsageError(f"unknown draft mode {s.draft!r} (expected one of {', '.join(DRAFT_MODES)})")

@@ -16,13 +16,13 @@ On a CPU verifying is not free: a batch of k+1 tokens costs more than one
 token (here pp2 is 1.7x, pp8 4.9x a single token's time on a 1.93B model),
 so a draft pays only when it is long and right. `DraftPolicy` learns, per
 sequence, how often a drafted token is accepted (by the length of the match
-it extends: 2-3, 4-7, 8-15, 16+ tokens, or, from a draft model, by its
-place in the draft), and `VerifyCost` this machine's cost of a step of n
-tokens against a single one (measured from the steps the loop makes;
-llama-bench's figures as the prior). Each step
-drafts the k that maximises expected tokens per unit of time, 1 + a1 + a1 a2
-+ ... over cost(k+1) (+ k draft-model decodes), and none when no k beats a
-plain step. An n-gram draft costs nothing to make, so when the policy
+it extends: 2-3, 4-7, 8-15, 16+ tokens, or, from a draft model, by how
+sure the draft model was of the token), and `VerifyCost` this machine's cost
+of a step of n tokens against a single one (measured from the steps the loop
+makes; llama-bench's figures as the prior). Each step drafts the k that
+maximises expected tokens per unit of time, 1 + a1 + a1 a2 + ... over
+cost(k+1) (+ k draft-model decodes), and none when no k beats a plain step;
+a draft model's draft is cut token by token as it is made (`DraftJudge`). An n-gram draft costs nothing to make, so when the policy
 declines to verify one it still checks it against the tokens that follow
 (a shadow draft): the acceptance is learned while speculation is off, and
 it turns itself back on when the text starts to repeat.
@@ -30,7 +30,6 @@ it turns itself back on when the text starts to repeat.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from collections.abc import Sequence
@@ -53,12 +52,15 @@ DEFAULT_DRAFT_MAX = 48
 FA_TILE = 64
 DRAFT_MAX_LIMIT = FA_TILE - 2
 MATCH_BUCKETS = (2, 4, 8, 16)  # n-gram match lengths starting each bucket
-# A draft model's tokens have buckets of their own, one per place in the draft (the last for that place and
-# on): each drafted token is right less often than the one before it, as the draft model drifts from the
-# target (1.93B Q8_0 with the 135M Q4_0: ~0.87 for the first three, less after). One bucket for all
-# priced the fifth token as the first and drafted 5-6 a step where 3 paid.
 MODEL_BUCKET = len(MATCH_BUCKETS)
-MODEL_PLACES = 4
+# A draft model's tokens are priced by how sure the draft model was of each (its greedy token's
+# probability), in buckets starting at these: where it hesitates the target often disagrees, so a
+# draft stops there (`DraftJudge`). Buckets by place in the draft (first, second, ...) drafted 11-15
+# tokens a step on the 1.93B Q8_0 with the 135M Q4_0, all lost when the first was one of the unsure
+# ones (0 of 15 accepted after a 0.12; 14 of 14 after 0.59 then 0.95 and up).
+MODEL_CONF = (0.0, 0.3, 0.5, 0.7, 0.9, 0.98)
+# before evidence a bucket's acceptance is its middle probability, with the weight of two drafted tokens
+_CONF_PRIOR = (0.15, 0.4, 0.6, 0.8, 0.94, 0.99)
 # llama-bench pp-n vs tg on a 1.93B Q4_K_M, 2 threads (issue #26): step time of n tokens / one token's
 _PRIOR = ((1, 1.0), (2, 1.72), (4, 2.81), (8, 4.87), (16, 5.79))
 _DECAY = 0.85  # per resolved draft reaching a bucket: about the last 7 such drafts decide
@@ -69,9 +71,9 @@ _PSEUDO = 1.0
 _MARGIN = 1.03  # a draft must promise this much over a plain step
 
 
-def _fresh_counts() -> list[float]:
-    """Hits (or misses) before any evidence: one each per bucket; a draft model's later places none (`acceptance`)."""
-    return [_PSEUDO] * (MODEL_BUCKET + 1) + [0.0] * (MODEL_PLACES - 1)
+def _fresh_counts(hit: bool = True) -> list[float]:
+    """Hits (or misses) before any evidence: one each per n-gram bucket; a draft model's buckets as _CONF_PRIOR."""
+    return [_PSEUDO] * MODEL_BUCKET + [2 * (c if hit else 1.0 - c) for c in _CONF_PRIOR]
 
 
 class DraftMismatch(UsageError):
@@ -148,7 +150,7 @@ class DraftPolicy:
     cost: VerifyCost = field(default_factory=VerifyCost)
     draft_cost: float = 0.0  # a drafted token's cost in target single-token steps (a draft model's decode)
     hits: list[float] = field(default_factory=_fresh_counts)
-    misses: list[float] = field(default_factory=_fresh_counts)
+    misses: list[float] = field(default_factory=lambda: _fresh_counts(False))
 
     @staticmethod
     def bucket(match_len: int) -> int:
@@ -162,15 +164,20 @@ class DraftPolicy:
 
     def acceptance(self, bucket: int) -> float:
         h, m = self.hits[bucket], self.misses[bucket]
-        if bucket > MODEL_BUCKET:
-            # a later place starts from the place before it, not from one in two: drafts of one token
-            # would otherwise never teach the second place that it pays
-            return (h + 2 * _PSEUDO * self.acceptance(bucket - 1)) / (h + m + 2 * _PSEUDO)
         return h / (h + m)
 
+    @staticmethod
+    def conf_bucket(conf: float) -> int:
+        """The bucket of a draft model's token drafted with probability `conf`."""
+        b = 0
+        for i, lo in enumerate(MODEL_CONF):
+            if conf >= lo:
+                b = i
+        return MODEL_BUCKET + b
+
     def position_bucket(self, match_len: int, j: int) -> int:
-        """The bucket of the j-th drafted token (0-based) of a draft from a `match_len` match (-1: a draft model)."""
-        return MODEL_BUCKET + min(j, MODEL_PLACES - 1) if match_len < 0 else self.bucket(match_len + j)
+        """The bucket of the j-th drafted token (0-based) of a draft from a `match_len` match."""
+        return self.bucket(match_len + j)
 
     def hit(self, match_len: int, j: int) -> None:
         self.hits[self.position_bucket(match_len, j)] += 1
@@ -183,24 +190,68 @@ class DraftPolicy:
 
     def resolve(self, match_len: int, at: int, rejected: bool) -> None:
         """End of a draft's evidence: a miss at position `at` if `rejected`; the buckets it reached age one draft."""
+        self.resolve_buckets([self.position_bucket(match_len, j) for j in range(at + 1)], rejected)
+
+    def record_buckets(self, buckets: Sequence[int], accepted: int, rejected: bool) -> None:
+        """`record` for a draft whose tokens' buckets are given (a draft model's, by its certainty)."""
+        for b in buckets[:accepted]:
+            self.hits[b] += 1
+        self.resolve_buckets(buckets[: accepted + 1 if rejected else max(accepted, 1)], rejected)
+
+    def resolve_buckets(self, reached: Sequence[int], rejected: bool) -> None:
         if rejected:
-            self.misses[self.position_bucket(match_len, at)] += 1
-        for b in {self.position_bucket(match_len, j) for j in range(at + 1)}:
+            self.misses[reached[-1]] += 1
+        for b in set(reached):
             self.hits[b] *= _DECAY
             self.misses[b] *= _DECAY
 
     def choose(self, match_len: int, available: int) -> int:
         """The k of at most `available` with the most expected tokens per unit of time, a plain step being 1
         (0: none beats a plain step by _MARGIN)."""
+        if match_len < 0:  # a draft model, were every token one it is surest of: does drafting pay at all?
+            a = max(self.acceptance(b) for b in range(MODEL_BUCKET, len(self.hits)))
+            return self._best([a] * available)
+        return self._best([self.acceptance(self.position_bucket(match_len, j)) for j in range(available)])
+
+    def _best(self, acceptances: Sequence[float]) -> int:
         best_k, best = 0, _MARGIN
         expected, p = 1.0, 1.0
-        for k in range(1, available + 1):
-            p *= min(self.acceptance(self.position_bucket(match_len, k - 1)), 0.999)
+        for k, a in enumerate(acceptances, 1):
+            p *= min(a, 0.999)
             expected += p
             g = expected / (self.cost.ratio(k + 1) + k * self.draft_cost)
             if g > best:
                 best_k, best = k, g
         return best_k
+
+
+class DraftJudge:
+    """Decides, token by token as a draft model drafts, whether to go on, and where the draft is best cut.
+
+    Each token's acceptance is its certainty bucket's; the draft's worth at j tokens is the
+    expected tokens of a step, 1 + a1 + a1 a2 + ..., over its cost (verify of j + 1, j draft
+    decodes). Drafting goes on while one more token, even a sure one, could raise that worth.
+    """
+
+    def __init__(self, policy: DraftPolicy) -> None:
+        self.policy = policy
+        self.sure = min(max(policy.acceptance(b) for b in range(MODEL_BUCKET, len(policy.hits))), 0.999)
+        self.buckets: list[int] = []
+        self.expected, self.p = 1.0, 1.0
+        self.best, self.best_k = _MARGIN, 0
+
+    def __call__(self, conf: float) -> bool:
+        """The next drafted token was drafted with probability `conf`: draft another?"""
+        pol = self.policy
+        b = pol.conf_bucket(conf)
+        self.buckets.append(b)
+        k = len(self.buckets)
+        self.p *= min(pol.acceptance(b), 0.999)
+        self.expected += self.p
+        g = self.expected / (pol.cost.ratio(k + 1) + k * pol.draft_cost)
+        if g > self.best:
+            self.best, self.best_k = g, k
+        return (self.expected + self.p * self.sure) / (pol.cost.ratio(k + 2) + (k + 1) * pol.draft_cost) > self.best
 
 
 @dataclass
@@ -249,6 +300,7 @@ class Speculator:
         # token), not after probe_every of them; then as often as its acceptance says
         self._plain_steps = probe_every - 2
         self._draft_seconds = 0.0  # what making this step's draft took: not the verify's cost
+        self.buckets: list[int] = []  # a draft model's draft: each token's certainty bucket
 
     def push(self, token: int) -> None:
         """A token the sequence now holds (sampled, or accepted from a draft)."""
@@ -286,16 +338,24 @@ class Speculator:
             self.shadow = None  # the verify measures it; a shadow would count the same tokens twice
             self.match = m
             return d[:k]
-        k = self.policy.choose(-1, kmax)
+        k = self.policy.choose(-1, kmax) if self.policy.cost.t1 else 0
         if k == 0:
             self._plain_steps += 1
             if self._plain_steps < self.probe_every:
                 return []
-            k = min(4, kmax)  # a draft model's drafts are not free: probe now and then instead of shadowing
+        # a draft model's drafts are not free: while they do not pay, probe now and then instead of
+        # shadowing; the first draft is a probe too (a drafted token's cost is not known before it)
+        probe = k == 0 or not self.policy.draft_cost
         self._plain_steps = 0
+        judge = DraftJudge(self.policy)
         t = time.perf_counter()
-        d, _ = self.drafter.draft(k)
+        d, _ = self.drafter.draft(min(3, kmax) if probe else kmax, judge=None if probe else judge)
         self._draft_seconds = time.perf_counter() - t
+        if probe:
+            self.buckets = [self.policy.conf_bucket(c) for c in getattr(self.drafter, "conf", [])][: len(d)]
+        else:
+            d = d[: judge.best_k]  # past its best cut the tokens were drafted only to see that they do not pay
+            self.buckets = judge.buckets[: len(d)]
         if self.drafter.decode_seconds and self.policy.cost.t1:
             # a drafted token costs one draft decode (the catch-up on the last accepted ones, or the next
             # token's); a probe's catch-up on every token made while not drafting is a one-off after plain
@@ -306,111 +366,18 @@ class Speculator:
 
     def verified(self, drafted: int, accepted: int, rejected: bool, seconds: float) -> None:
         self.counters.add(drafted, accepted)
-        self.policy.record(self.match, accepted, rejected)
+        if self.match >= 0:
+            self.policy.record(self.match, accepted, rejected)
+        elif len(self.buckets) == drafted:  # a draft model's: by each token's certainty
+            self.policy.record_buckets(self.buckets, accepted, rejected)
         # the step's seconds began before the draft was made; a draft model's part is in draft_cost already
         self.policy.cost.observe(drafted + 1, max(seconds - self._draft_seconds, 1e-6))
         self._draft_seconds = 0.0
 
     def plain(self, seconds: float) -> None:
-        self.policy.cost.observe(1, seconds)
-
-
-class ModelDrafter:
-    """Greedy drafts from a smaller model of the same vocabulary, its KV cache kept in step with the target's tokens."""
-
-    def __init__(self, draft_rt: Any) -> None:
-        import llama_cpp  # lazy: llama.cpp loads only when a draft model is used
-
-        self.rt = draft_rt
-        self.ctx, self.vocab, self.batch = draft_rt._engine()
-        self.mem = llama_cpp.llama_get_memory(self.ctx)
-        self.greedy = llama_cpp.llama_sampler_init_greedy()
-        self.toks: list[int] = []
-        self.decode_seconds = 0.0  # one decode of the draft model (running mean): what each drafted token costs
-
-    def reset(self, tokens: Sequence[int], memory: Any = ()) -> None:
-        self.toks = list(tokens)
-
-    def push(self, token: int) -> None:
-        self.toks.append(token)
-
-    def draft(self, k: int) -> tuple[list[int], int]:
-        import llama_cpp
-
-        from edgellm.engine.decode import common_prefix, decode_prompt
-
-        kv = self.rt._kv
-        toks = self.toks
-        if len(toks) + k + 1 >= self.rt.n_ctx:
-            return [], -1
-        keep = min(common_prefix(kv, toks), len(toks) - 1)
-        llama_cpp.llama_memory_seq_rm(self.mem, 0, keep, -1)
-        del kv[keep:]
-        t = time.perf_counter()
-        decode_prompt(self.ctx, self.batch, toks[keep:], keep)
-        if len(toks) - keep <= 2:  # drafting every step, the catch-up is the one decode each drafted token costs
-            self._timed(time.perf_counter() - t)
-        kv.extend(toks[keep:])
-        out: list[int] = []
-        b = self.batch
-        for j in range(k):
-            t = int(llama_cpp.llama_sampler_sample(self.greedy, self.ctx, -1))
-            if llama_cpp.llama_vocab_is_eog(self.vocab, t):
-                break
-            out.append(t)
-            if j == k - 1:
-                break
-            b.clear()
-            b.add(t, len(kv), 0, True)
-            t0 = time.perf_counter()
-            if b.decode(self.ctx) != 0:
-                break
-            self._timed(time.perf_counter() - t0)
-            kv.append(t)
-        return out, -1
-
-    def _timed(self, seconds: float) -> None:
-        d = self.decode_seconds
-        self.decode_seconds = seconds if d == 0.0 else d + 0.3 * (seconds - d)
-
-    def close(self) -> None:
-        import llama_cpp
-
-        if self.greedy:
-            llama_cpp.llama_sampler_free(self.greedy)
-            self.greedy = None
-
-
-def check_compatible(target: Any, draft: Any, *, names: tuple[str, str] = ("target", "draft")) -> None:
-    """Refuse a draft model whose tokens do not mean the target's: vocabulary type, size, BOS/EOS, token texts.
-
-    Raises `DraftMismatch` naming the first difference (llama.cpp's own check,
-    common_speculative_are_compatible, compares the same things).
-    """
-    import llama_cpp
-
-    vt, vd = target.llm._model.vocab, draft.llm._model.vocab
-    a, b = names
-
-    def differ(what: str, x: Any, y: Any) -> None:
-        raise DraftMismatch(f"{b} model cannot draft for {a}: {what} differs ({a}: {x}, {b}: {y})")
-
-    for what, fn in (
-        ("vocabulary type", llama_cpp.llama_vocab_type),
-        ("vocabulary size", llama_cpp.llama_vocab_n_tokens),
-        ("BOS token", llama_cpp.llama_vocab_bos),
-        ("EOS token", llama_cpp.llama_vocab_eos),
-        ("add-BOS flag", llama_cpp.llama_vocab_get_add_bos),
-    ):
-        x, y = fn(vt), fn(vd)
-        if x != y:
-            differ(what, x, y)
-    buf_t, buf_d = ctypes.create_string_buffer(256), ctypes.create_string_buffer(256)
-    for tok in range(int(llama_cpp.llama_vocab_n_tokens(vt))):
-        nt = llama_cpp.llama_token_to_piece(vt, tok, buf_t, 256, 0, True)
-        nd = llama_cpp.llama_token_to_piece(vd, tok, buf_d, 256, 0, True)
-        if nt != nd or buf_t.raw[: max(nt, 0)] != buf_d.raw[: max(nd, 0)]:
-            differ(f"token {tok}", buf_t.raw[: max(nt, 0)], buf_d.raw[: max(nd, 0)])
+        # a draft judged not worth verifying was made in this step's time
+        self.policy.cost.observe(1, max(seconds - self._draft_seconds, 1e-6))
+        self._draft_seconds = 0.0
 
 
 __all__ = [
@@ -418,9 +385,8 @@ __all__ = [
     "DraftPolicy",
     "VerifyCost",
     "DraftCounters",
-    "ModelDrafter",
+    "DraftJudge",
     "NgramDrafter",
-    "check_compatible",
     "DraftMismatch",
     "DRAFT_MODES",
     "DEFAULT_DRAFT_MAX",
