@@ -88,19 +88,22 @@ def _matmul(ggml, typ: int, weights: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "typ", [GGML_TYPE_Q6_K, GGML_TYPE_Q4_K, GGML_TYPE_Q4_1], ids=["q6_K", "q4_K", "q4_1 (the default model)"]
+    "typ",
+    [GGML_TYPE_Q6_K, GGML_TYPE_Q4_K, GGML_TYPE_Q4_1, GGML_TYPE_Q8_0],
+    ids=["q6_K", "q4_K", "q4_1 (the default model)", "q8_0 (a draft model's target)"],
 )
 def test_a_quantized_row_in_a_verify_batch_multiplies_as_it_does_alone(ggml, typ):
     # the shapes of the 1.93B widened model's attn_v and ffn_down (issue #24). Q6_K and Q4_1 rows
     # of a batch go through one kernel per weight row for up to 16 tokens
     # (scripts/patches/ggml-cpu-x86-small-batch-dots.patch): the first and the last row of a batch
-    # are each checked against the same token alone
+    # are each checked against the same token alone. Q8_0's 5-7 tokens go through one pass over each
+    # block of 4 weight rows (scripts/patches/ggml-cpu-x86-q0-gemm-one-pass.patch), 4 columns and a rest
     rng = np.random.default_rng(7)
     for m, k in ((768, 2304), (2304, 6144)):
         weights = rng.normal(0, 0.02, (m, k)).astype(np.float32)
         x = rng.normal(0, 1, (FA_TILE - 1, k)).astype(np.float32)
         first = _matmul(ggml, typ, weights, x[:1])[0]
-        for n in (2, 4, 8, 16, 17, FA_TILE - 1):
+        for n in (2, 4, 5, 7, 8, 16, 17, FA_TILE - 1):
             batch = _matmul(ggml, typ, weights, x[:n])
             last = _matmul(ggml, typ, weights, x[n - 1 : n])[0]
             for alone, row in ((first, batch[0]), (last, batch[-1])):
