@@ -22,10 +22,11 @@ of a step of n tokens against a single one (measured from the steps the loop
 makes; llama-bench's figures as the prior). Each step drafts the k that
 maximises expected tokens per unit of time, 1 + a1 + a1 a2 + ... over
 cost(k+1) (+ k draft-model decodes), and none when no k beats a plain step;
-a draft model's draft is cut token by token as it is made (`DraftJudge`). An n-gram draft costs nothing to make, so when the policy
-declines to verify one it still checks it against the tokens that follow
-(a shadow draft): the acceptance is learned while speculation is off, and
-it turns itself back on when the text starts to repeat.
+a draft model's draft is cut token by token as it is made (`DraftJudge`).
+An n-gram draft costs nothing to make, so when the policy declines to
+verify one it still checks it against the tokens that follow (a shadow
+draft): the acceptance is learned while speculation is off, and it turns
+itself back on when the text starts to repeat.
 """
 
 from __future__ import annotations
