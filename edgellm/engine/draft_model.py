@@ -23,7 +23,6 @@ class ModelDrafter:
 
         self.rt = draft_rt
         self.ctx, self.vocab, self.batch = draft_rt._engine()
-        self.mem = llama_cpp.llama_get_memory(self.ctx)
         self.greedy = llama_cpp.llama_sampler_init_greedy()
         self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self.vocab))
         self.conf: list[float] = []
@@ -85,18 +84,14 @@ class ModelDrafter:
 
     def _catch_up(self, upto: int) -> int:
         """Make the draft cache hold toks[:upto] (the last of them decoded again, for its logits); the tokens decoded."""
-        import llama_cpp
+        from edgellm.engine.decode import decode_prompt
 
-        from edgellm.engine.decode import common_prefix, decode_prompt
-
-        kv, toks = self.rt._kv, self.toks
-        keep = min(common_prefix(kv, toks[:upto]), upto - 1)
-        if keep < 0:
+        if upto < 1:
             return 0
-        llama_cpp.llama_memory_seq_rm(self.mem, 0, keep, -1)
-        del kv[keep:]
-        decode_prompt(self.ctx, self.batch, toks[keep:upto], keep)
-        kv.extend(toks[keep:upto])
+        toks = self.toks[:upto]
+        keep = self.rt.trim_kv(toks)
+        decode_prompt(self.ctx, self.batch, toks[keep:], keep)
+        self.rt._kv.extend(toks[keep:])
         return upto - keep
 
     def _timed(self, seconds: float) -> None:

@@ -284,12 +284,7 @@ class Runtime:
         With `sampling.draft` set, steps verify drafted tokens (engine.speculative):
         the reply is the one decoding without drafts gives.
         """
-        from edgellm.engine.decode import (  # lazy: loads jinja2, llama_cpp, numpy
-            Sampler,
-            TextStream,
-            common_prefix,
-            decode_prompt,
-        )
+        from edgellm.engine.decode import Sampler, TextStream, decode_prompt  # lazy: loads jinja2, llama_cpp, numpy
         from edgellm.engine.generate import generate
 
         s = sampling or SamplingParams()
@@ -298,15 +293,10 @@ class Runtime:
         n_ctx = self.n_ctx
         max_new = self._room(prompt, s)
         ctx, vocab, batch = self._engine()
-        import llama_cpp
 
         spec = self._speculator(s, prompt)
         governor = self.governor()
-        # Keep the longest common prefix in the KV cache; the last prompt token is always
-        # evaluated again when everything matched, since its logits are needed.
-        keep = min(common_prefix(self._kv, prompt), len(prompt) - 1)
-        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), 0, keep, -1)
-        del self._kv[keep:]
+        keep = self.trim_kv(prompt)
         # Without a seed, fall back to the load-time seed (random by default) so
         # one seeded call does not make every later call deterministic.
         sampler = Sampler(vocab, s, default_seed=self.options.seed)
@@ -352,6 +342,18 @@ class Runtime:
         tail = text.flush()
         if tail:
             yield tail
+
+    def trim_kv(self, tokens: Sequence[int]) -> int:
+        """Cut the KV cache to the longest prefix it shares with `tokens`, less their last token (decoded
+        again when everything matched: its logits are needed); the cells kept, which `tokens` need not decode."""
+        import llama_cpp
+
+        from edgellm.engine.decode import common_prefix
+
+        keep = min(common_prefix(self._kv, tokens), len(tokens) - 1)
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._engine()[0]), 0, keep, -1)
+        del self._kv[keep:]
+        return keep
 
     # -- speculative decoding and threads ------------------------------------
 

@@ -210,9 +210,12 @@ class DraftPolicy:
         """The k of at most `available` with the most expected tokens per unit of time, a plain step being 1
         (0: none beats a plain step by _MARGIN)."""
         if match_len < 0:  # a draft model, were every token one it is surest of: does drafting pay at all?
-            a = max(self.acceptance(b) for b in range(MODEL_BUCKET, len(self.hits)))
-            return self._best([a] * available)
+            return self._best([self.surest()] * available)
         return self._best([self.acceptance(self.position_bucket(match_len, j)) for j in range(available)])
+
+    def surest(self) -> float:
+        """The acceptance of a draft model's best certainty bucket."""
+        return max(self.acceptance(b) for b in range(MODEL_BUCKET, len(self.hits)))
 
     def _best(self, acceptances: Sequence[float]) -> int:
         best_k, best = 0, _MARGIN
@@ -236,18 +239,16 @@ class DraftJudge:
 
     def __init__(self, policy: DraftPolicy) -> None:
         self.policy = policy
-        self.sure = min(max(policy.acceptance(b) for b in range(MODEL_BUCKET, len(policy.hits))), 0.999)
-        self.buckets: list[int] = []
+        self.sure = min(policy.surest(), 0.999)
+        self.k = 0  # tokens judged so far
         self.expected, self.p = 1.0, 1.0
         self.best, self.best_k = _MARGIN, 0
 
     def __call__(self, conf: float) -> bool:
         """The next drafted token was drafted with probability `conf`: draft another?"""
         pol = self.policy
-        b = pol.conf_bucket(conf)
-        self.buckets.append(b)
-        k = len(self.buckets)
-        self.p *= min(pol.acceptance(b), 0.999)
+        self.k = k = self.k + 1
+        self.p *= min(pol.acceptance(pol.conf_bucket(conf)), 0.999)
         self.expected += self.p
         g = self.expected / (pol.cost.ratio(k + 1) + k * pol.draft_cost)
         if g > self.best:
@@ -352,11 +353,9 @@ class Speculator:
         t = time.perf_counter()
         d, _ = self.drafter.draft(min(3, kmax) if probe else kmax, judge=None if probe else judge)
         self._draft_seconds = time.perf_counter() - t
-        if probe:
-            self.buckets = [self.policy.conf_bucket(c) for c in getattr(self.drafter, "conf", [])][: len(d)]
-        else:
+        if not probe:
             d = d[: judge.best_k]  # past its best cut the tokens were drafted only to see that they do not pay
-            self.buckets = judge.buckets[: len(d)]
+        self.buckets = [self.policy.conf_bucket(c) for c in self.drafter.conf[: len(d)]]
         if self.drafter.decode_seconds and self.policy.cost.t1:
             # a drafted token costs one draft decode (the catch-up on the last accepted ones, or the next
             # token's); a probe's catch-up on every token made while not drafting is a one-off after plain
