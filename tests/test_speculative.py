@@ -170,6 +170,41 @@ def test_a_copy_of_the_prompt_turns_drafting_on_while_it_is_being_copied():
     assert DraftPolicy(cost=VerifyCost(frozen=True)).choose(2, 48) == 0
 
 
+def test_a_copy_drafts_long_as_soon_as_its_shorter_matches_were_right():
+    # the same copy, generated: each draft is verified against the reply, its accepted tokens and the
+    # next one pushed. The shadow follows the copy through the verified drafts, and a longer match's
+    # bucket borrows the shorter one's record until it has its own, so the draft after the first is
+    # long. With one-in-two for every unseen bucket and shadows dropped while drafting, the copy took
+    # drafts of 1, 2, 1, 2, 3 tokens before its first long one (21 steps for 80 tokens).
+    passage = list(range(100, 180))
+    d = NgramDrafter()
+    d.reset([1, 2, *passage, 3, 4])
+    sp = Speculator(d, cost=VerifyCost(frozen=True))
+    reply = [*passage, 7, 8, 9]
+    i, steps, drafts = 0, 0, []
+    while i < len(passage):
+        sp.push(reply[i])
+        i += 1
+        steps += 1
+        draft = sp.propose(48)
+        if draft:
+            acc = 0
+            while acc < len(draft) and reply[i + acc] == draft[acc]:
+                acc += 1
+            for t in draft[:acc]:
+                sp.push(t)
+            i += acc
+            drafts.append(len(draft))
+            sp.verified(len(draft), acc, acc < len(draft), 0.1)
+    assert len(drafts) >= 2 and drafts[1] >= 12, drafts
+    assert steps <= 12, (steps, drafts)
+    # and where short matches were wrong, the longer buckets inherit that distrust, not one in two
+    q = DraftPolicy(cost=VerifyCost(frozen=True))
+    for _ in range(6):
+        q.record(2, 0, True)
+    assert q.acceptance(q.bucket(8)) < 0.3 and q.choose(8, 48) == 0
+
+
 def test_verify_cost_keeps_a_sizes_cheapest_first_steps_and_interpolates_between_measured_sizes():
     c = VerifyCost()
     c.observe(1, 0.100)

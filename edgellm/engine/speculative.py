@@ -23,10 +23,12 @@ makes; llama-bench's figures as the prior). Each step drafts the k that
 maximises expected tokens per unit of time, 1 + a1 + a1 a2 + ... over
 cost(k+1) (+ k draft-model decodes), and none when no k beats a plain step;
 a draft model's draft is cut token by token as it is made (`DraftJudge`).
-An n-gram draft costs nothing to make, so when the policy declines to
-verify one it still checks it against the tokens that follow (a shadow
-draft): the acceptance is learned while speculation is off, and it turns
-itself back on when the text starts to repeat.
+An n-gram draft costs nothing to make, so each one is checked against the
+tokens that follow as they come, verified or not (a shadow draft), for as
+long as it keeps being right: the acceptance is learned while speculation is
+off, so it turns itself back on when the text starts to repeat, and a copy
+teaches its buckets token by token rather than by the few tokens its first
+cautious drafts verify.
 """
 
 from __future__ import annotations
@@ -65,16 +67,20 @@ _CONF_PRIOR = (0.15, 0.4, 0.6, 0.8, 0.94, 0.99)
 # llama-bench pp-n vs tg on a 1.93B Q4_K_M, 2 threads (issue #26): step time of n tokens / one token's
 _PRIOR = ((1, 1.0), (2, 1.72), (4, 2.81), (8, 4.87), (16, 5.79))
 _DECAY = 0.85  # per resolved draft reaching a bucket: about the last 7 such drafts decide
-# Before any evidence, every bucket holds one hit and one miss: one in two. Trusting longer matches
-# more (2/3, 3/4) drafted 52 tokens for 25 on an open-ended story (135M), 17 for 7 without; a copy
-# turns drafting on as early either way (its shadow teaches the buckets)
-_PSEUDO = 1.0
+# An n-gram bucket's acceptance leans on this many pseudo-tokens at a prior rate: one in two for the
+# shortest matches, and for a longer one the next shorter bucket's acceptance (a copy that ran 7 tokens
+# goes on about as often as one that ran 4). At one in two for every bucket, a copy's first drafts
+# from matches of 8, 16 tokens were 1-2 tokens each, though every token before had been right. A fixed
+# trust in longer matches (2/3, 3/4) drafted 52 tokens for 25 on an open-ended story (135M), 17 for 7
+# without: borrowed, the trust is what the shorter matches of this text earned.
+_PSEUDO = 2.0
 _MARGIN = 1.03  # a draft must promise this much over a plain step
 
 
 def _fresh_counts(hit: bool = True) -> list[float]:
-    """Hits (or misses) before any evidence: one each per n-gram bucket; a draft model's buckets as _CONF_PRIOR."""
-    return [_PSEUDO] * MODEL_BUCKET + [2 * (c if hit else 1.0 - c) for c in _CONF_PRIOR]
+    """Hits (or misses) before any evidence: none in the n-gram buckets (their prior is borrowed, `acceptance`);
+    a draft model's buckets as _CONF_PRIOR."""
+    return [0.0] * MODEL_BUCKET + [2 * (c if hit else 1.0 - c) for c in _CONF_PRIOR]
 
 
 class DraftMismatch(UsageError):
@@ -165,6 +171,9 @@ class DraftPolicy:
 
     def acceptance(self, bucket: int) -> float:
         h, m = self.hits[bucket], self.misses[bucket]
+        if bucket < MODEL_BUCKET:
+            prior = self.acceptance(bucket - 1) if bucket else 0.5
+            return (h + _PSEUDO * prior) / (h + m + _PSEUDO)
         return h / (h + m)
 
     @staticmethod
@@ -332,12 +341,10 @@ class Speculator:
             d, m = self.drafter.draft(kmax)
             if not d:
                 return []
+            self._follow(d, m)
             k = self.policy.choose(m, len(d))
             if k == 0:
-                if self.shadow is None:
-                    self.shadow = [d, 0, m]
                 return []
-            self.shadow = None  # the verify measures it; a shadow would count the same tokens twice
             self.match = m
             return d[:k]
         k = self.policy.choose(-1, kmax) if self.policy.cost.t1 else 0
@@ -364,11 +371,24 @@ class Speculator:
         self.match = -1
         return d
 
+    def _follow(self, d: list[int], m: int) -> None:
+        """Make the n-gram draft `d` the shadow, unless the running shadow already predicts it."""
+        sh = self.shadow
+        if sh is not None:
+            sd, i, sm = sh
+            n = min(len(d), len(sd) - i)
+            if sd[i : i + n] == d[:n]:
+                if len(d) > n:  # the same copy, seen further ahead: what was counted stays counted
+                    self.shadow = [d, 0, m]
+                return
+            if i:  # the drafter now follows another match: this one ends unrefuted
+                self.policy.resolve(sm, i - 1, False)
+        self.shadow = [d, 0, m]
+
     def verified(self, drafted: int, accepted: int, rejected: bool, seconds: float) -> None:
         self.counters.add(drafted, accepted)
-        if self.match >= 0:
-            self.policy.record(self.match, accepted, rejected)
-        elif len(self.buckets) == drafted:  # a draft model's: by each token's certainty
+        # an n-gram draft's tokens are counted by the shadow that follows it (push); a draft model's by certainty
+        if self.match < 0 and len(self.buckets) == drafted:
             self.policy.record_buckets(self.buckets, accepted, rejected)
         # the step's seconds began before the draft was made; a draft model's part is in draft_cost already
         self.policy.cost.observe(drafted + 1, max(seconds - self._draft_seconds, 1e-6))
