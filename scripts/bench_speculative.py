@@ -151,7 +151,8 @@ PROMPTS = {
     ),
     "rewrite-b": (
         "grounded",
-        "Add a docstring to the class Cache in this code and output the whole code unchanged otherwise.\n\n" + CODE_B,
+        "Add a docstring to the class Cache in this code and output the whole code unchanged otherwise. "
+        "Output only the code.\n\n" + CODE_B,
     ),
     "summary": (
         "grounded",
