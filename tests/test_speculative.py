@@ -98,14 +98,20 @@ def test_ngram_drafter_continues_the_longest_earlier_match_and_loops():
     assert d.draft(2)[0] == [3, 4]
 
 
+def record(p: DraftPolicy, match_len: int, accepted: int, rejected: bool) -> None:
+    """An n-gram draft from a `match_len` match resolved as its shadow counts it: `accepted` tokens right,
+    then a wrong one if `rejected`."""
+    p.record_buckets([p.position_bucket(match_len, j) for j in range(accepted + 1)], accepted, rejected)
+
+
 def test_policy_drafts_long_when_drafts_are_right_and_not_at_all_when_wrong():
     p = DraftPolicy(cost=VerifyCost())
     for _ in range(6):
-        p.record(3, 20, True)  # 20 accepted, then a miss: 95 %
+        record(p, 3, 20, True)  # 20 accepted, then a miss: 95 %
     assert p.choose(3, 40) >= 12
     q = DraftPolicy(cost=VerifyCost())
     for _ in range(6):
-        q.record(0, 1, True)  # one in two
+        record(q, 0, 1, True)  # one in two
     assert q.choose(0, 40) == 0
     # verifying measured as cheap here makes shorter, less certain drafts pay
     cheap = VerifyCost()
@@ -201,7 +207,7 @@ def test_a_copy_drafts_long_as_soon_as_its_shorter_matches_were_right():
     # and where short matches were wrong, the longer buckets inherit that distrust, not one in two
     q = DraftPolicy(cost=VerifyCost(frozen=True))
     for _ in range(6):
-        q.record(2, 0, True)
+        record(q, 2, 0, True)
     assert q.acceptance(q.bucket(8)) < 0.3 and q.choose(8, 48) == 0
 
 

@@ -192,12 +192,6 @@ class DraftPolicy:
     def hit(self, match_len: int, j: int) -> None:
         self.hits[self.position_bucket(match_len, j)] += 1
 
-    def record(self, match_len: int, accepted: int, rejected: bool) -> None:
-        """A draft resolved: its first `accepted` tokens were right, and the next one wrong if `rejected`."""
-        for j in range(accepted):
-            self.hit(match_len, j)
-        self.resolve(match_len, accepted if rejected else max(accepted - 1, 0), rejected)
-
     def resolve(self, match_len: int, at: int, rejected: bool) -> None:
         """End of a draft's evidence: a miss at position `at` if `rejected`; the buckets it reached age one draft."""
         self.resolve_buckets([self.position_bucket(match_len, j) for j in range(at + 1)], rejected)
