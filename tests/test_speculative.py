@@ -96,6 +96,12 @@ def test_ngram_drafter_continues_the_longest_earlier_match_and_loops():
     d.reset([5, 6], memory=[[1, 2, 3, 4]])  # earlier replies are drafted from too
     d.extend([1, 2])
     assert d.draft(2)[0] == [3, 4]
+    # nothing past a token that ends the reply can be kept: a quote that ended the user's turn is
+    # drafted up to the turn's end, not on into the next turn's header
+    eos = 9
+    d = NgramDrafter(is_end=lambda t: t == eos)
+    d.reset([1, 2, 3, 4, eos, 7, 8, 5, 1, 2])
+    assert d.draft(8) == ([3, 4, eos], 2)
 
 
 def record(p: DraftPolicy, match_len: int, accepted: int, rejected: bool) -> None:

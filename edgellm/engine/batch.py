@@ -192,7 +192,8 @@ class BatchEngine:
         seq.text = TextStream(self.vocab, seq.sampling.stop)
         mode = (seq.sampling.draft or self.rt.options.draft or "off").lower()
         if mode != "off":  # one context holds every sequence: drafts come from n-grams (a draft model is chat's)
-            d = NgramDrafter()
+            vocab = self.vocab
+            d = NgramDrafter(is_end=lambda t: bool(llama_cpp.llama_vocab_is_eog(vocab, t)))
             d.reset(prompt)
             seq.spec = Speculator(d, draft_max=seq.sampling.draft_max or DEFAULT_DRAFT_MAX, cost=self.verify_cost)
             seq.stats.draft = "ngram"
