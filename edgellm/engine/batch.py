@@ -43,7 +43,7 @@ from typing import Any, Optional
 import llama_cpp
 
 from edgellm.engine import backends
-from edgellm.engine.decode import Batch, Sampler, TextStream, common_prefix
+from edgellm.engine.decode import Batch, Sampler, TextStream, common_prefix, ends_reply
 from edgellm.engine.ngram import NgramDrafter
 from edgellm.engine.runtime import GenerationStats, SamplingParams
 from edgellm.engine.speculative import DEFAULT_DRAFT_MAX, FA_TILE, DraftCounters, Speculator, VerifyCost
@@ -192,8 +192,7 @@ class BatchEngine:
         seq.text = TextStream(self.vocab, seq.sampling.stop)
         mode = (seq.sampling.draft or self.rt.options.draft or "off").lower()
         if mode != "off":  # one context holds every sequence: drafts come from n-grams (a draft model is chat's)
-            vocab = self.vocab
-            d = NgramDrafter(is_end=lambda t: bool(llama_cpp.llama_vocab_is_eog(vocab, t)))
+            d = NgramDrafter(is_end=ends_reply(self.vocab))
             d.reset(prompt)
             seq.spec = Speculator(d, draft_max=seq.sampling.draft_max or DEFAULT_DRAFT_MAX, cost=self.verify_cost)
             seq.stats.draft = "ngram"

@@ -16,7 +16,7 @@ drives `edgellm chat`, the TUI and `--parallel 1`) and the batched one
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import llama_cpp
@@ -249,6 +249,12 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
                 best = k
                 break
     return best
+
+
+def ends_reply(vocab: Any) -> Callable[[int], bool]:
+    """Whether a token ends a reply (the vocab's end-of-generation tokens): the decode loops stop there,
+    and an n-gram draft stops after it (engine.ngram)."""
+    return lambda token: bool(llama_cpp.llama_vocab_is_eog(vocab, token))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

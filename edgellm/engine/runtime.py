@@ -381,10 +381,9 @@ class Runtime:
                 raise UsageError("draft='model' needs a draft model (Runtime.attach_draft, --draft MODEL)")
             drafter: Any = ModelDrafter(self.draft_runtime)
         else:
-            import llama_cpp
+            from edgellm.engine.decode import ends_reply
 
-            vocab = self.llm._model.vocab
-            drafter = NgramDrafter(is_end=lambda t: bool(llama_cpp.llama_vocab_is_eog(vocab, t)))
+            drafter = NgramDrafter(is_end=ends_reply(self.llm._model.vocab))
         drafter.reset(prompt, self._spec_memory)
         return Speculator(
             drafter, draft_max=s.draft_max or DEFAULT_DRAFT_MAX, cost=self.verify_cost, prior=self._draft_prior.get(mode)
