@@ -252,8 +252,8 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
 
 
 def ends_reply(vocab: Any) -> Callable[[int], bool]:
-    """Whether a token ends a reply (the vocab's end-of-generation tokens): the decode loops stop there,
-    and an n-gram draft stops after it (engine.ngram)."""
+    """Whether a token ends a reply (the vocab's end-of-generation tokens), for an n-gram draft to stop
+    after it (engine.ngram). The decode loops apply the same rule inline, without this extra call per token."""
     return lambda token: bool(llama_cpp.llama_vocab_is_eog(vocab, token))
 
 
