@@ -322,17 +322,14 @@ def ensure(model_path: Optional[Path] = None, *, tester: Optional[Tester] = None
     import llama_cpp  # noqa: F401  (loads libllama and the ggml libraries it needs)
 
     lib = Path(choice.path).parent
+    # The other backends first: llama.cpp lists devices in registration order, GPUs before the CPU.
+    load_devices(lib)
     ggml = _load_lib(lib, "libggml.so")
     ggml.ggml_backend_load.argtypes, ggml.ggml_backend_load.restype = [ctypes.c_char_p], ctypes.c_void_p
     ggml.ggml_backend_reg_by_name.argtypes, ggml.ggml_backend_reg_by_name.restype = [ctypes.c_char_p], ctypes.c_void_p
     os.environ["GGML_BACKEND_PATH"] = choice.path
     if not ggml.ggml_backend_reg_by_name(b"CPU"):
         with silence_native_stderr(), _quiet_llama_logger():  # ggml logs each load ("load_backend: loaded ...")
-            # The other backends first: llama.cpp lists devices in registration order, GPUs before the CPU.
-            for other in sorted(lib.glob("libggml-*.so")):
-                if other.name.startswith(_PREFIX) or other.name in ("libggml-base.so",):
-                    continue
-                ggml.ggml_backend_load(str(other).encode())
             if choice.variant in os.environ.get(BREAK_ENV, "").split(","):
                 os.kill(os.getpid(), signal.SIGILL)
             ok = ggml.ggml_backend_load(choice.path.encode())
@@ -340,6 +337,30 @@ def ensure(model_path: Optional[Path] = None, *, tester: Optional[Tester] = None
             raise RuntimeFailure(f"llama.cpp could not load its CPU backend {choice.path}")
     _loaded["choice"] = choice
     return choice
+
+
+def load_devices(lib: Optional[Path] = None) -> None:
+    """Register the portable build's backends other than the CPU (GPU, RPC) in this process, once.
+
+    A device query (llama_supports_gpu_offload, which `--gpu-layers auto` asks before any
+    model) finds nothing registered in a portable build until then, and llama.cpp answers
+    that by searching for every backend in folders where this build keeps none, logging
+    each miss to stderr, and would pick a CPU variant by CPUID alone. With these loaded, it
+    sees the GPUs without choosing the CPU variant, which `ensure()` still does, self-tested.
+    A no-op for the host-flags build.
+    """
+    lib = lib or lib_dir()
+    if lib is None or "devices" in _loaded or not variants(lib):
+        return
+    import llama_cpp  # noqa: F401  (loads libllama and the ggml libraries it needs)
+
+    ggml = _load_lib(lib, "libggml.so")
+    ggml.ggml_backend_load.argtypes, ggml.ggml_backend_load.restype = [ctypes.c_char_p], ctypes.c_void_p
+    with silence_native_stderr(), _quiet_llama_logger():
+        for other in sorted(lib.glob("libggml-*.so")):
+            if not other.name.startswith(_PREFIX) and other.name != "libggml-base.so":
+                ggml.ggml_backend_load(str(other).encode())
+    _loaded["devices"] = True
 
 
 @contextlib.contextmanager

@@ -81,6 +81,7 @@ def gpu_backends() -> dict[str, Any]:
         no_device_reason,
     )  # gpu imports memory, which imports this module for the CPU features
 
+    backends.load_devices()  # else llama.cpp would search for them where a portable build keeps none
     result: dict[str, Any] = {"offload_supported": bool(llama_cpp.llama_supports_gpu_offload()), "devices": []}
     # name, backend, memory, and "software: no speed-up expected" for llvmpipe/SwiftShader (edgellm.engine.gpu)
     result["devices"] = [d.to_json() for d in list_devices()]

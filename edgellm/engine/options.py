@@ -111,6 +111,9 @@ def resolve_gpu_layers(value: Union[int, str], *, warn: Callable[[str], None] = 
     """`auto` and `all` → all layers when a GPU backend exists, else 0; N on a CPU-only build → 0 with one warning."""
     import llama_cpp
 
+    from edgellm.engine import backends
+
+    backends.load_devices()  # a portable build's GPU backends, before llama.cpp is asked about them
     gpu = bool(llama_cpp.llama_supports_gpu_offload())
     if isinstance(value, str):
         if value.strip().lower() in ("auto", "all"):
