@@ -148,6 +148,10 @@ def test_json_rows_use_llama_bench_fields(cli, default_model, edgellm_home):
 
     saved = list((edgellm_home / "results" / "bench").iterdir())
     assert [p.name for p in saved] == [f"{DEFAULT_NAME}-{machine_id()}.json"]
+    # the roofline's bandwidth: the mean of a probe before the model's runs and one right after them
+    probes = json.loads(saved[0].read_text())["bandwidth"]
+    assert len(probes["samples"]) == 2 and min(probes["samples"]) > 1e8
+    assert tg["bandwidth_bytes_per_s"] == pytest.approx(sum(probes["samples"]) / 2) == probes["read_bytes_per_s"]
     back = load_bench_results(DEFAULT_NAME)
     assert [(b["test"], b["avg_ts"]) for b in back] == [(r["test"], r["avg_ts"]) for r in rows]
     assert load_bench_results("some-other-model") == []

@@ -9,7 +9,8 @@ buffers) that are really private. Each model runs in its own child process
 benchmarked before it.
 
 It also owns the memory-bandwidth probe and the generation roofline it
-implies, the comparison with a `llama-bench` built from the same vendored
+implies (probed before and right after each model's runs, the mean of the
+two: `Bandwidth.bracket`), the comparison with a `llama-bench` built from the same vendored
 llama.cpp, the results kept per model and machine under
 `results_dir()/bench/` (read by `recommend` and the TUI through
 `load_bench_results`), the `--plot` PNG, and `LiveSampler`, the tokens/s and
@@ -90,6 +91,7 @@ def bench(
     tests = settings.tests()
     mid, stamp = machine_id(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     all_rows: list[BenchRow] = []
+    model_bw: dict[str, Bandwidth] = {}
     for mi, (label, path, info, files) in enumerate(targets):
         plan = _gpu_plan(
             path,
@@ -108,6 +110,12 @@ def bench(
             on_progress(Progress("bench", done, total, "rep", f"{label} {ev['test']} {ev['done']}/{ev['total']}"))
 
         raw_rows, done = _run_worker(req, label=label, on_event=forward, cancel=cancel)
+        row_bw = None
+        if bw is not None:
+            # again right after the runs (tg runs last): the host's bandwidth drifts while they run
+            after = measure_bandwidth_now(threads=n_threads)
+            row_bw, bw = Bandwidth.bracket(bw, after), after  # this probe is the next model's "before"
+            model_bw[label] = row_bw
         for r in raw_rows:
             row = BenchRow(
                 model=label,
@@ -149,11 +157,11 @@ def bench(
                     if k in r
                 },
             )
-            if bw is not None:
-                row.bandwidth_bytes_per_s = bw.read_bytes_per_s
+            if row_bw is not None:
+                row.bandwidth_bytes_per_s = row_bw.read_bytes_per_s
                 if row.n_gen and not row.n_prompt and row.model_size:
                     row.read_bytes_per_token = token_read_bytes(info, row.n_gen)
-                    row.roofline_ts = bw.read_bytes_per_s / row.read_bytes_per_token
+                    row.roofline_ts = row_bw.read_bytes_per_s / row.read_bytes_per_token
                     row.roofline_fraction = row.avg_ts / row.roofline_ts
             all_rows.append(row)
     if compare_llama_bench:
@@ -168,7 +176,7 @@ def bench(
         )
     if save:
         for label, *_ in targets:
-            save_results(label, [r for r in all_rows if r.model == label], bandwidth=bw)
+            save_results(label, [r for r in all_rows if r.model == label], bandwidth=model_bw.get(label))
     return all_rows
 
 

@@ -76,6 +76,25 @@ class Bandwidth:
     threads: int
     size_bytes: int
     reader: str = "memchr"  # which read gave read_bytes_per_s: "memchr" or "ggml" (the kernels' prefetching stream)
+    samples: list[float] = field(default_factory=list)  # read bytes/s of each probe averaged here
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @staticmethod
+    def bracket(before: Bandwidth, after: Bandwidth) -> Bandwidth:
+        """The probes on both sides of a model's runs, as one: the mean of their reads and copies.
+
+        A probe is a 0.1 s snapshot and a VM's bandwidth drifts by a third within seconds
+        (docs/scale.md, 2026-12-08), while generation averages over its runs: one snapshot
+        taken before the model loaded once sat below what generation then read (fraction 1.02).
+        """
+        readers = dict.fromkeys((before.reader, after.reader))
+        return Bandwidth(
+            (before.read_bytes_per_s + after.read_bytes_per_s) / 2,
+            (before.copy_bytes_per_s + after.copy_bytes_per_s) / 2,
+            before.threads,
+            before.size_bytes,
+            "/".join(readers),
+            [before.read_bytes_per_s, after.read_bytes_per_s],
+        )
