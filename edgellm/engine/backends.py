@@ -324,8 +324,7 @@ def ensure(model_path: Optional[Path] = None, *, tester: Optional[Tester] = None
     lib = Path(choice.path).parent
     # The other backends first: llama.cpp lists devices in registration order, GPUs before the CPU.
     load_devices(lib)
-    ggml = _load_lib(lib, "libggml.so")
-    ggml.ggml_backend_load.argtypes, ggml.ggml_backend_load.restype = [ctypes.c_char_p], ctypes.c_void_p
+    ggml = _loader(lib)
     ggml.ggml_backend_reg_by_name.argtypes, ggml.ggml_backend_reg_by_name.restype = [ctypes.c_char_p], ctypes.c_void_p
     os.environ["GGML_BACKEND_PATH"] = choice.path
     if not ggml.ggml_backend_reg_by_name(b"CPU"):
@@ -354,13 +353,19 @@ def load_devices(lib: Optional[Path] = None) -> None:
         return
     import llama_cpp  # noqa: F401  (loads libllama and the ggml libraries it needs)
 
-    ggml = _load_lib(lib, "libggml.so")
-    ggml.ggml_backend_load.argtypes, ggml.ggml_backend_load.restype = [ctypes.c_char_p], ctypes.c_void_p
+    ggml = _loader(lib)
     with silence_native_stderr(), _quiet_llama_logger():
         for other in sorted(lib.glob("libggml-*.so")):
             if not other.name.startswith(_PREFIX) and other.name != "libggml-base.so":
                 ggml.ggml_backend_load(str(other).encode())
     _loaded["devices"] = True
+
+
+def _loader(lib: Path) -> ctypes.CDLL:
+    """libggml, with ggml_backend_load typed: it registers one backend library."""
+    ggml = _load_lib(lib, "libggml.so")
+    ggml.ggml_backend_load.argtypes, ggml.ggml_backend_load.restype = [ctypes.c_char_p], ctypes.c_void_p
+    return ggml
 
 
 @contextlib.contextmanager
